@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Build the Open MPI comparison peer (benches/peers/pingpong.c).
+#
+# If mpicc/mpirun are missing, installs Debian's openmpi-bin and
+# libopenmpi-dev (root only). Output goes to ${OUT_DIR:-<repo>/target/peers}.
+# The last line printed is the path of the built binary.
+set -euo pipefail
+
+script_dir="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
+repo_root="$(cd -- "${script_dir}/../.." && pwd)"
+out_dir="${OUT_DIR:-${repo_root}/target/peers}"
+
+if ! command -v mpicc >/dev/null 2>&1 || ! command -v mpirun >/dev/null 2>&1; then
+    if [[ "$(id -u)" -ne 0 ]]; then
+        echo "build.sh: mpicc/mpirun not found; install Open MPI first" \
+             "(e.g. 'sudo apt-get install -y openmpi-bin libopenmpi-dev')" >&2
+        exit 1
+    fi
+    echo "build.sh: mpicc/mpirun not found; installing openmpi-bin libopenmpi-dev" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update >&2
+    apt-get install -y openmpi-bin libopenmpi-dev >&2
+fi
+
+mkdir -p -- "${out_dir}"
+out="${out_dir}/pingpong"
+mpicc -std=c11 -O2 -Wall -Wextra -o "${out}" "${script_dir}/pingpong.c" >&2
+echo "${out}"

@@ -1,0 +1,31 @@
+//! Where cargo put the workspace's binaries and examples.
+//!
+//! Integration tests and benches of this package cannot use `CARGO_BIN_EXE_ductile`,
+//! because the `ductile` binary belongs to the launcher crate; they find it next to
+//! their own executable instead (`target/<profile>/deps/<test>` → `target/<profile>/`).
+
+use std::path::PathBuf;
+
+/// The `target/<profile>` directory the running test or bench was built into.
+///
+/// # Panics
+/// When the running executable's path cannot be read (a broken installation).
+#[must_use]
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("path of the running executable");
+    let deps = exe.parent().expect("executable has a directory");
+    let dir = if deps.ends_with("deps") { deps.parent().expect("deps has a parent") } else { deps };
+    dir.to_path_buf()
+}
+
+/// The `ductile` launcher binary.
+#[must_use]
+pub fn ductile_bin() -> PathBuf {
+    profile_dir().join("ductile")
+}
+
+/// A compiled example of this package.
+#[must_use]
+pub fn example(name: &str) -> PathBuf {
+    profile_dir().join("examples").join(name)
+}

@@ -1,0 +1,31 @@
+//! # ductile-transport
+//!
+//! The bottom layer of ductile: how ranks reach each other.
+//!
+//! - [`ids`]: the numbers (rank, tag, context, job id, node id) and the job key.
+//! - [`frame`]: the wire frame of stream backends, validated before allocation.
+//! - [`auth`]: the mutual HMAC-SHA256 challenge-response run on every connection.
+//! - [`matching`]: the (context, source, tag) matching engine every backend delivers into.
+//! - [`transport`]: the object-safe [`Transport`] trait, the backend registry
+//!   ([`bind`]) and the [`Endpoint`] the runtime uses.
+//! - [`tcp`]: the default backend on tokio; [`mem`]: an in-process backend for tests.
+//!
+//! Terms: a *rank* is a process's index in its job's endpoint table; a *context*
+//! separates the traffic of different groups or epochs; a *tag* is chosen by the sender
+//! and matched by the receiver, with the top half of the tag space kept for the runtime.
+
+pub mod auth;
+pub mod config;
+pub mod error;
+pub mod frame;
+pub mod ids;
+pub mod matching;
+pub mod mem;
+pub mod tcp;
+pub mod transport;
+
+pub use config::TransportConfig;
+pub use error::{AuthError, FrameError, TransportError};
+pub use ids::{Context, JobId, JobKey, NodeId, Rank, Tag};
+pub use matching::{Envelope, Mailbox, Pattern, SrcMatch, TagMatch};
+pub use transport::{bind, BoxFuture, Capabilities, Endpoint, EndpointAddr, PendingRecv, Transport, TransportSetup};

@@ -1,0 +1,232 @@
+//! The `Transport` trait, the registry of backends, and the `Endpoint` that the runtime
+//! uses (a backend plus the shared matching engine).
+
+use crate::auth::Identity;
+use crate::config::TransportConfig;
+use crate::error::TransportError;
+use crate::ids::{Context, Rank, Tag};
+use crate::matching::{Envelope, Mailbox, Pattern, Posting};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+/// A boxed future, as returned by the object-safe [`Transport`] methods.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A backend's address for one endpoint, in the backend's own text form.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct EndpointAddr(pub String);
+
+impl fmt::Display for EndpointAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What a backend offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// Tagged two-sided messages.
+    pub tagged: bool,
+    /// One-sided reads from remote windows.
+    pub one_sided: bool,
+}
+
+/// A message transport backend.
+///
+/// Backends move bytes and deliver each arriving message into the [`Mailbox`] they were
+/// bound with; matching lives above them, so every backend matches the same way.
+/// Connections are opened lazily, on the first send to a peer, and authenticated with
+/// the job key.
+pub trait Transport: Send + Sync + 'static {
+    /// The backend's name (`tcp`, `mem`, ...).
+    fn name(&self) -> &'static str;
+    /// What it offers.
+    fn capabilities(&self) -> Capabilities;
+    /// The address peers reach this endpoint at.
+    fn local_addr(&self) -> EndpointAddr;
+    /// Installs the job's address table, indexed by rank.
+    ///
+    /// # Errors
+    /// An address that does not parse for this backend.
+    fn set_peers(&self, peers: &[EndpointAddr]) -> Result<(), TransportError>;
+    /// Sends a tagged message. Messages to one destination arrive in the order sent.
+    fn send(&self, dst: Rank, ctx: Context, tag: Tag, payload: Bytes) -> BoxFuture<'_, Result<(), TransportError>>;
+    /// Says goodbye to every connected peer and stops serving connections.
+    fn close(&self) -> BoxFuture<'_, ()>;
+}
+
+/// What a backend needs to bind.
+#[derive(Clone)]
+pub struct TransportSetup {
+    /// Our identity (job, key, rank).
+    pub identity: Identity,
+    /// Number of ranks in the job when binding (members are ranks below it).
+    pub size: u32,
+    /// Settings.
+    pub config: TransportConfig,
+    /// Where arriving messages go.
+    pub mailbox: Arc<Mailbox>,
+}
+
+/// The names of the backends this build can bind.
+#[must_use]
+pub fn backends() -> &'static [&'static str] {
+    &["tcp", "mem"]
+}
+
+/// Binds a backend by name. Needs a running tokio runtime (it spawns the backend's
+/// progress tasks there). The single registration point of backends.
+///
+/// # Errors
+/// An unknown backend name, or the backend's own bind error.
+pub fn bind(name: &str, setup: TransportSetup) -> Result<Arc<dyn Transport>, TransportError> {
+    match name {
+        "tcp" => Ok(Arc::new(crate::tcp::TcpTransport::bind(setup)?)),
+        "mem" => Err(TransportError::Unsupported { transport: "mem", what: "binding by name (use MemHub)" }),
+        _ => Err(TransportError::Unsupported { transport: "ductile", what: "this transport name (known: tcp)" }),
+    }
+}
+
+/// One rank's endpoint: a backend plus its matching engine.
+#[derive(Clone)]
+pub struct Endpoint {
+    transport: Arc<dyn Transport>,
+    mailbox: Arc<Mailbox>,
+    rank: Rank,
+}
+
+impl Endpoint {
+    /// Wraps a bound backend and the mailbox it delivers into.
+    #[must_use]
+    pub fn new(transport: Arc<dyn Transport>, mailbox: Arc<Mailbox>, rank: Rank) -> Self {
+        Self { transport, mailbox, rank }
+    }
+
+    /// Our rank.
+    #[must_use]
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// The backend.
+    #[must_use]
+    pub fn transport(&self) -> &Arc<dyn Transport> {
+        &self.transport
+    }
+
+    /// The matching engine.
+    #[must_use]
+    pub fn mailbox(&self) -> &Arc<Mailbox> {
+        &self.mailbox
+    }
+
+    /// Sends a message; a message to ourselves is delivered locally.
+    ///
+    /// # Errors
+    /// The backend's send error.
+    pub async fn send(&self, dst: Rank, ctx: Context, tag: Tag, payload: Bytes) -> Result<(), TransportError> {
+        if dst == self.rank {
+            self.mailbox.deliver(Envelope { src: dst, ctx, tag, payload });
+            return Ok(());
+        }
+        self.transport.send(dst, ctx, tag, payload).await
+    }
+
+    /// Starts a receive: a future that resolves to the oldest matching message.
+    /// Dropping the future withdraws the receive without losing a message.
+    ///
+    /// # Errors
+    /// The source has ended or the endpoint is closed.
+    pub fn post(&self, pattern: Pattern) -> Result<PendingRecv, TransportError> {
+        Ok(match self.mailbox.post(pattern)? {
+            Posting::Ready(env) => PendingRecv { state: PendingState::Ready(Some(env)), mailbox: self.mailbox.clone() },
+            Posting::Posted(id, rx) => {
+                PendingRecv { state: PendingState::Waiting { id, rx }, mailbox: self.mailbox.clone() }
+            }
+        })
+    }
+
+    /// Receives the oldest matching message within `timeout`.
+    ///
+    /// # Errors
+    /// A timeout naming the source and tag, an ended source, or a closed endpoint.
+    pub async fn recv(&self, pattern: Pattern, timeout: Duration) -> Result<Envelope, TransportError> {
+        let pending = self.post(pattern)?;
+        match tokio::time::timeout(timeout, pending).await {
+            Ok(r) => r,
+            Err(_) => Err(TransportError::Timeout { what: describe(&pattern), after: timeout }),
+        }
+    }
+}
+
+/// Text naming what a receive waited for.
+#[must_use]
+pub fn describe(p: &Pattern) -> String {
+    use crate::matching::{SrcMatch, TagMatch};
+    let src = match p.src {
+        SrcMatch::Any => "any rank".to_string(),
+        SrcMatch::Rank(r) => r.to_string(),
+    };
+    let tag = match p.tag {
+        TagMatch::Any => "any tag".to_string(),
+        TagMatch::Tag(t) => t.to_string(),
+    };
+    format!("a message from {src} ({tag}, {})", p.ctx)
+}
+
+enum PendingState {
+    Ready(Option<Envelope>),
+    Waiting { id: u64, rx: oneshot::Receiver<Result<Envelope, TransportError>> },
+    Done,
+}
+
+/// A posted receive; see [`Endpoint::post`].
+pub struct PendingRecv {
+    state: PendingState,
+    mailbox: Arc<Mailbox>,
+}
+
+impl Future for PendingRecv {
+    type Output = Result<Envelope, TransportError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
+        let out = match &mut self.state {
+            PendingState::Ready(env) => match env.take() {
+                Some(e) => Ok(e),
+                None => Err(TransportError::Closed),
+            },
+            PendingState::Waiting { rx, .. } => match Pin::new(rx).poll(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(r)) => r,
+                Poll::Ready(Err(_)) => Err(TransportError::Closed),
+            },
+            PendingState::Done => Err(TransportError::Closed),
+        };
+        self.state = PendingState::Done;
+        Poll::Ready(out)
+    }
+}
+
+impl Drop for PendingRecv {
+    fn drop(&mut self) {
+        match std::mem::replace(&mut self.state, PendingState::Done) {
+            PendingState::Waiting { id, mut rx } => {
+                if !self.mailbox.cancel(id) {
+                    if let Ok(Ok(env)) = rx.try_recv() {
+                        self.mailbox.give_back(env);
+                    }
+                }
+            }
+            PendingState::Ready(Some(env)) => self.mailbox.give_back(env),
+            PendingState::Ready(None) | PendingState::Done => {}
+        }
+    }
+}
