@@ -1,0 +1,58 @@
+//! The `DUCTILE_*` environment variables, parsed in one place.
+//!
+//! | variable | meaning | default |
+//! |---|---|---|
+//! | `DUCTILE_LOG` | `tracing` filter for the runtime's logs | `warn` |
+//! | `DUCTILE_SPIN_US` | how long a blocking wait spins before parking, µs | [`DEFAULT_SPIN_US`] |
+//! | `DUCTILE_THREADS` | progress threads per process | [`DEFAULT_THREADS`] |
+//! | `DUCTILE_TIMEOUT` | timeout of every wait of a standalone process, s (launched ranks get theirs from the launcher) | [`DEFAULT_TIMEOUT_SECS`] |
+//! | `DUCTILE_CONTROL_FD` | set by the agent: the control channel's descriptor | unset (standalone) |
+
+use std::time::Duration;
+
+/// Default spin time of a blocking wait, µs.
+pub const DEFAULT_SPIN_US: u64 = 100;
+/// Default number of progress threads.
+pub const DEFAULT_THREADS: usize = 1;
+/// Default timeout of every wait, seconds.
+pub const DEFAULT_TIMEOUT_SECS: u64 = 300;
+
+/// Settings read from the environment.
+#[derive(Clone, Debug)]
+pub struct EnvSettings {
+    /// Spin time of blocking waits.
+    pub spin: Duration,
+    /// Progress threads.
+    pub threads: usize,
+    /// Timeout of every wait (standalone).
+    pub timeout: Duration,
+    /// Control channel descriptor, if launched.
+    pub control_fd: Option<i32>,
+}
+
+fn parse<T: std::str::FromStr>(name: &str) -> Result<Option<T>, String> {
+    match std::env::var(name) {
+        Ok(v) => v.trim().parse().map(Some).map_err(|_| format!("{name}={v:?} is not a valid value")),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(format!("{name} is not valid UTF-8")),
+    }
+}
+
+impl EnvSettings {
+    /// Reads the environment.
+    ///
+    /// # Errors
+    /// A variable that is set but does not parse, named in the message.
+    pub fn from_env() -> Result<Self, String> {
+        let threads = parse::<usize>("DUCTILE_THREADS")?.unwrap_or(DEFAULT_THREADS);
+        if threads == 0 {
+            return Err("DUCTILE_THREADS must be at least 1".into());
+        }
+        Ok(Self {
+            spin: Duration::from_micros(parse("DUCTILE_SPIN_US")?.unwrap_or(DEFAULT_SPIN_US)),
+            threads,
+            timeout: Duration::from_secs(parse("DUCTILE_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT_SECS)),
+            control_fd: parse(crate::bootstrap::CONTROL_FD_ENV)?,
+        })
+    }
+}

@@ -1,0 +1,66 @@
+//! Errors of the runtime API.
+
+use ductile_transport::TransportError;
+
+/// Errors of ductile calls.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A transport failure (I/O, timeout naming the peer, peer gone, ...).
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// Joining the job failed.
+    #[error("bootstrap failed: {0}")]
+    Bootstrap(String),
+    /// A group rank outside the group.
+    #[error("rank {rank} is not in this group of {size}")]
+    InvalidRank {
+        /// The rank given.
+        rank: usize,
+        /// The group's size.
+        size: usize,
+    },
+    /// A tag outside the application's tag space.
+    #[error("tag {0:#x} is reserved for the runtime (application tags are 0..=0x7fffffff)")]
+    ReservedTag(u32),
+    /// A payload that is not a whole number of elements of the expected type.
+    #[error("a message of {len} bytes from rank {src} is not a whole number of {elem}-byte elements")]
+    Misaligned {
+        /// Payload length.
+        len: usize,
+        /// Element size.
+        elem: usize,
+        /// Sender (group rank).
+        src: usize,
+    },
+    /// A message with an unexpected number of elements.
+    #[error("{what}: expected {expected} elements from rank {src}, got {got}")]
+    LengthMismatch {
+        /// Which operation.
+        what: &'static str,
+        /// Expected element count.
+        expected: usize,
+        /// Received element count.
+        got: usize,
+        /// Sender (group rank).
+        src: usize,
+    },
+    /// A value that did not decode.
+    #[error("cannot decode a value from rank {src}: {source}")]
+    Decode {
+        /// Sender (group rank).
+        src: usize,
+        /// Why.
+        #[source]
+        source: postcard::Error,
+    },
+    /// A value that did not encode.
+    #[error("cannot encode a value: {0}")]
+    Encode(#[source] postcard::Error),
+    /// A call with arguments that make no sense (documented per call).
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+}
+
+/// Result of ductile calls.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

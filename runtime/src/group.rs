@@ -1,0 +1,305 @@
+//! Groups: an ordered set of ranks with a private communication context.
+//!
+//! [`AsyncGroup`] is the async core; [`Group`] is the blocking API for SPMD code, each
+//! call running its async counterpart on the calling thread (see [`crate::blocking`]).
+//! Group ranks are `usize` positions `0..size` in the group, which differ from the
+//! job's endpoint ranks once groups are built from process sets.
+
+use crate::error::{Error, Result};
+use crate::pod;
+use bytemuck::Pod;
+use bytes::Bytes;
+use ductile_transport::{Context, Endpoint, Pattern, Rank, SrcMatch, Tag, TagMatch};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::runtime::Handle;
+
+/// What a receive got: who sent it, with which tag, how many bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Status {
+    /// Sender's rank in the group.
+    pub source: usize,
+    /// The message's tag.
+    pub tag: u32,
+    /// Payload length in bytes.
+    pub len: usize,
+}
+
+struct Core {
+    endpoint: Endpoint,
+    ctx: Context,
+    rank: usize,
+    members: Vec<Rank>,
+    index: HashMap<Rank, usize>,
+    timeout: Duration,
+}
+
+/// The async core of a group. Cheap to clone.
+#[derive(Clone)]
+pub struct AsyncGroup {
+    core: Arc<Core>,
+}
+
+impl AsyncGroup {
+    /// A group over `members` (group rank → endpoint rank) in context `ctx`, seen by the
+    /// member at position `rank`. Every wait is bounded by `timeout`.
+    ///
+    /// # Errors
+    /// `rank` is out of range, the endpoint is not the member at `rank`, or a member
+    /// appears twice.
+    pub fn new(endpoint: Endpoint, ctx: Context, members: Vec<Rank>, rank: usize, timeout: Duration) -> Result<Self> {
+        if members.get(rank) != Some(&endpoint.rank()) {
+            return Err(Error::Invalid(format!("group position {rank} is not this endpoint ({})", endpoint.rank())));
+        }
+        let index: HashMap<Rank, usize> = members.iter().enumerate().map(|(i, r)| (*r, i)).collect();
+        if index.len() != members.len() {
+            return Err(Error::Invalid("a rank appears twice in the group".into()));
+        }
+        Ok(Self { core: Arc::new(Core { endpoint, ctx, rank, members, index, timeout }) })
+    }
+
+    /// This process's rank in the group.
+    #[must_use]
+    pub fn rank(&self) -> usize {
+        self.core.rank
+    }
+
+    /// Number of members.
+    #[must_use]
+    pub fn size(&self) -> usize {
+        self.core.members.len()
+    }
+
+    /// The timeout of every wait in this group.
+    #[must_use]
+    pub fn timeout(&self) -> Duration {
+        self.core.timeout
+    }
+
+    fn member(&self, r: usize) -> Result<Rank> {
+        self.core.members.get(r).copied().ok_or(Error::InvalidRank { rank: r, size: self.size() })
+    }
+
+    /// Sends raw bytes with any tag, including runtime tags.
+    pub(crate) async fn send_tagged(&self, dst: usize, tag: Tag, payload: Bytes) -> Result<()> {
+        let to = self.member(dst)?;
+        Ok(self.core.endpoint.send(to, self.core.ctx, tag, payload).await?)
+    }
+
+    /// Receives raw bytes by pattern, including runtime tags.
+    pub(crate) async fn recv_tagged(&self, src: Option<usize>, tag: TagMatch) -> Result<(Bytes, Status)> {
+        let src = match src {
+            Some(s) => SrcMatch::Rank(self.member(s)?),
+            None => SrcMatch::Any,
+        };
+        let pattern = Pattern { ctx: self.core.ctx, src, tag };
+        let env = self.core.endpoint.recv(pattern, self.core.timeout).await?;
+        let source = *self
+            .core
+            .index
+            .get(&env.src)
+            .ok_or_else(|| Error::Invalid(format!("message from non-member {}", env.src)))?;
+        Ok((env.payload.clone(), Status { source, tag: env.tag.0, len: env.payload.len() }))
+    }
+
+    fn user_tag(tag: u32) -> Result<Tag> {
+        let t = Tag(tag);
+        if t.is_user() {
+            Ok(t)
+        } else {
+            Err(Error::ReservedTag(tag))
+        }
+    }
+
+    /// Sends a payload to group rank `dst`.
+    ///
+    /// # Local
+    /// Completes when the payload is handed to the transport.
+    ///
+    /// # Errors
+    /// Bad rank or tag, or a transport error naming the peer.
+    pub async fn send_bytes(&self, dst: usize, tag: u32, payload: Bytes) -> Result<()> {
+        self.send_tagged(dst, Self::user_tag(tag)?, payload).await
+    }
+
+    /// Receives a payload from `src` (`None`: any source) with `tag` (`None`: any tag).
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// Bad rank or tag, a timeout naming the source, or the source has ended.
+    pub async fn recv_bytes(&self, src: Option<usize>, tag: Option<u32>) -> Result<(Bytes, Status)> {
+        let tag = match tag {
+            Some(t) => TagMatch::Tag(Self::user_tag(t)?),
+            None => TagMatch::Any,
+        };
+        self.recv_tagged(src, tag).await
+    }
+
+    /// Sends a slice of plain-old-data elements (copied once).
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`AsyncGroup::send_bytes`].
+    pub async fn send<T: Pod>(&self, dst: usize, tag: u32, data: &[T]) -> Result<()> {
+        self.send_bytes(dst, tag, pod::slice_to_bytes(data)).await
+    }
+
+    /// Receives plain-old-data elements.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`AsyncGroup::recv_bytes`], or a payload that is not whole elements.
+    pub async fn recv<T: Pod>(&self, src: Option<usize>, tag: Option<u32>) -> Result<(Vec<T>, Status)> {
+        let (b, st) = self.recv_bytes(src, tag).await?;
+        Ok((pod::bytes_to_vec(&b, st.source)?, st))
+    }
+
+    /// Sends a serde value.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`AsyncGroup::send_bytes`], or the value does not encode.
+    pub async fn send_value<S: Serialize + ?Sized>(&self, dst: usize, tag: u32, value: &S) -> Result<()> {
+        let b = postcard::to_stdvec(value).map_err(Error::Encode)?;
+        self.send_bytes(dst, tag, Bytes::from(b)).await
+    }
+
+    /// Receives a serde value.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`AsyncGroup::recv_bytes`], or the payload does not decode as `S`.
+    pub async fn recv_value<S: DeserializeOwned>(&self, src: Option<usize>, tag: Option<u32>) -> Result<(S, Status)> {
+        let (b, st) = self.recv_bytes(src, tag).await?;
+        let v = postcard::from_bytes(&b).map_err(|source| Error::Decode { src: st.source, source })?;
+        Ok((v, st))
+    }
+}
+
+/// A group with a blocking API, for SPMD code. Cheap to clone.
+#[derive(Clone)]
+pub struct Group {
+    inner: AsyncGroup,
+    handle: Handle,
+    spin: Duration,
+}
+
+impl Group {
+    pub(crate) fn new(inner: AsyncGroup, handle: Handle, spin: Duration) -> Self {
+        Self { inner, handle, spin }
+    }
+
+    /// Runs an async operation of this group to completion on the calling thread.
+    pub(crate) fn block<F: std::future::Future>(&self, f: F) -> F::Output {
+        crate::blocking::block_on(&self.handle, self.spin, f)
+    }
+
+    /// The async core, for code that runs on an executor.
+    #[must_use]
+    pub fn as_async(&self) -> &AsyncGroup {
+        &self.inner
+    }
+
+    /// This process's rank in the group.
+    #[must_use]
+    pub fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    /// Number of members.
+    #[must_use]
+    pub fn size(&self) -> usize {
+        self.inner.size()
+    }
+
+    /// Sends a slice of plain-old-data elements to group rank `dst` with `tag`.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// Bad rank or tag, or a transport error naming the peer.
+    pub fn send<T: Pod>(&self, dst: usize, tag: u32, data: &[T]) -> Result<()> {
+        self.block(self.inner.send(dst, tag, data))
+    }
+
+    /// Sends an owned vector without copying it.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`Group::send`].
+    pub fn send_vec<T: Pod + Send + Sync>(&self, dst: usize, tag: u32, data: Vec<T>) -> Result<()> {
+        self.block(self.inner.send_bytes(dst, tag, pod::vec_to_bytes(data)))
+    }
+
+    /// Sends a payload without copying it.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`Group::send`].
+    pub fn send_bytes(&self, dst: usize, tag: u32, payload: Bytes) -> Result<()> {
+        self.block(self.inner.send_bytes(dst, tag, payload))
+    }
+
+    /// Sends a serde value.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`Group::send`], or the value does not encode.
+    pub fn send_value<S: Serialize + ?Sized>(&self, dst: usize, tag: u32, value: &S) -> Result<()> {
+        self.block(self.inner.send_value(dst, tag, value))
+    }
+
+    /// Receives plain-old-data elements from `src` (`None`: any) with `tag` (`None`: any).
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// Bad rank or tag, a timeout naming the source, an ended source, or a payload that
+    /// is not whole elements.
+    pub fn recv<T: Pod>(&self, src: Option<usize>, tag: Option<u32>) -> Result<(Vec<T>, Status)> {
+        self.block(self.inner.recv(src, tag))
+    }
+
+    /// Receives into `out`, which must match the message's element count.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`Group::recv`], or a length mismatch.
+    pub fn recv_into<T: Pod>(&self, src: Option<usize>, tag: Option<u32>, out: &mut [T]) -> Result<Status> {
+        let (b, st) = self.block(self.inner.recv_bytes(src, tag))?;
+        pod::bytes_into(&b, out, st.source, "recv_into")?;
+        Ok(st)
+    }
+
+    /// Receives a payload as bytes, without copying.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`Group::recv`].
+    pub fn recv_bytes(&self, src: Option<usize>, tag: Option<u32>) -> Result<(Bytes, Status)> {
+        self.block(self.inner.recv_bytes(src, tag))
+    }
+
+    /// Receives a serde value.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`Group::recv`], or the payload does not decode.
+    pub fn recv_value<S: DeserializeOwned>(&self, src: Option<usize>, tag: Option<u32>) -> Result<(S, Status)> {
+        self.block(self.inner.recv_value(src, tag))
+    }
+}

@@ -1,0 +1,80 @@
+//! Plain-old-data slices as message payloads.
+
+use crate::error::{Error, Result};
+use bytemuck::Pod;
+use bytes::Bytes;
+
+/// A `Vec<T>` viewed as bytes, so an owned vector becomes a payload without a copy.
+struct PodVec<T>(Vec<T>);
+
+impl<T: Pod> AsRef<[u8]> for PodVec<T> {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
+/// An owned vector as a payload, without copying.
+pub(crate) fn vec_to_bytes<T: Pod + Send + Sync>(v: Vec<T>) -> Bytes {
+    if v.is_empty() {
+        return Bytes::new();
+    }
+    Bytes::from_owner(PodVec(v))
+}
+
+/// A slice as a payload (one copy).
+pub(crate) fn slice_to_bytes<T: Pod>(s: &[T]) -> Bytes {
+    Bytes::copy_from_slice(bytemuck::cast_slice(s))
+}
+
+/// Number of `T` elements in a payload from group rank `src`.
+pub(crate) fn count_of<T: Pod>(b: &[u8], src: usize) -> Result<usize> {
+    let elem = std::mem::size_of::<T>();
+    if elem == 0 {
+        return Ok(0);
+    }
+    if b.len() % elem != 0 {
+        return Err(Error::Misaligned { len: b.len(), elem, src });
+    }
+    Ok(b.len() / elem)
+}
+
+/// A payload as a vector of `T` (one copy: payload bytes carry no alignment).
+pub(crate) fn bytes_to_vec<T: Pod>(b: &[u8], src: usize) -> Result<Vec<T>> {
+    let n = count_of::<T>(b, src)?;
+    let mut v = vec![T::zeroed(); n];
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(b);
+    Ok(v)
+}
+
+/// Copies a payload into `out`, which must have exactly the payload's element count.
+pub(crate) fn bytes_into<T: Pod>(b: &[u8], out: &mut [T], src: usize, what: &'static str) -> Result<()> {
+    let n = count_of::<T>(b, src)?;
+    if n != out.len() {
+        return Err(Error::LengthMismatch { what, expected: out.len(), got: n, src });
+    }
+    bytemuck::cast_slice_mut::<T, u8>(out).copy_from_slice(b);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_checks_lengths() {
+        let b = vec_to_bytes(vec![1.0f64, 2.0, 3.0]);
+        assert_eq!(b.len(), 24);
+        assert_eq!(bytes_to_vec::<f64>(&b, 0).unwrap(), vec![1.0, 2.0, 3.0]);
+        assert!(matches!(bytes_to_vec::<f64>(&b[..20], 4), Err(Error::Misaligned { len: 20, elem: 8, src: 4 })));
+        let mut out = [0u32; 6];
+        bytes_into(&slice_to_bytes(&[7u32; 6]), &mut out, 0, "recv").unwrap();
+        assert_eq!(out, [7; 6]);
+        assert!(matches!(
+            bytes_into(&b[..20], &mut out, 1, "recv"),
+            Err(Error::LengthMismatch { expected: 6, got: 5, src: 1, .. })
+        ));
+        // Unaligned source bytes are fine.
+        let raw = Bytes::from(vec![0u8; 17]).slice(1..);
+        assert_eq!(bytes_to_vec::<u64>(&raw, 0).unwrap(), vec![0, 0]);
+    }
+}

@@ -1,0 +1,232 @@
+//! Joining a job: [`init`] and the [`Session`] it returns.
+
+use crate::bootstrap::{self, FromRank, RankHandoff, ToRank, HANDOFF_VERSION};
+use crate::env::EnvSettings;
+use crate::error::{Error, Result};
+use crate::group::{AsyncGroup, Group};
+use ductile_transport::auth::Identity;
+use ductile_transport::{Context, Endpoint, JobId, JobKey, Mailbox, NodeId, Rank, TransportConfig, TransportSetup};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::runtime::Runtime;
+
+/// Facts about the job this process belongs to.
+#[derive(Clone, Debug)]
+pub struct JobInfo {
+    /// The job's id.
+    pub job: JobId,
+    /// The node this process runs on.
+    pub node: NodeId,
+    /// Number of nodes in the job.
+    pub nodes: u32,
+    /// Whether the process was started by the launcher (false: standalone, one rank).
+    pub launched: bool,
+    /// The transport backend in use.
+    pub transport: String,
+}
+
+/// A process's membership in a job. Create it with [`init`]; end it with
+/// [`Session::finalize`].
+pub struct Session {
+    world: Group,
+    info: JobInfo,
+    endpoint: Endpoint,
+    control: Option<UnixStream>,
+    rt: Option<Runtime>,
+}
+
+static TAKEN: AtomicBool = AtomicBool::new(false);
+
+/// Joins the job this process was launched into, or, when started without the launcher,
+/// forms a job of one rank (like MPI's singleton init).
+///
+/// # Collective
+/// Every rank of a launched job calls it; it returns once all ranks' endpoints are known.
+///
+/// # Errors
+/// Bad `DUCTILE_*` settings, a control channel that is not from this process's agent,
+/// a refused handoff, or a transport that cannot bind. Calling it twice is an error.
+pub fn init() -> Result<Session> {
+    init_logging();
+    if TAKEN.swap(true, Ordering::AcqRel) {
+        return Err(Error::Invalid("ductile::init was already called in this process".into()));
+    }
+    let env = EnvSettings::from_env().map_err(Error::Bootstrap)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(env.threads)
+        .thread_name("ductile-progress")
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Bootstrap(format!("cannot start the progress runtime: {e}")))?;
+    match env.control_fd {
+        Some(fd) => launched(rt, &env, fd),
+        None => standalone(rt, &env),
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("DUCTILE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // Another subscriber installed by the application wins; that is fine.
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+fn standalone(rt: Runtime, env: &EnvSettings) -> Result<Session> {
+    let boot = |e: getrandom::Error| Error::Bootstrap(format!("random source failed: {e}"));
+    let h = RankHandoff {
+        version: HANDOFF_VERSION,
+        job: JobId::random().map_err(boot)?,
+        key: JobKey::random().map_err(boot)?,
+        rank: Rank(0),
+        size: 1,
+        node: NodeId(0),
+        nodes: 1,
+        transport: "tcp".into(),
+        timeout_ms: u64::try_from(env.timeout.as_millis()).unwrap_or(u64::MAX),
+    };
+    let endpoint = bind(&rt, &h)?;
+    let table = vec![endpoint.transport().local_addr()];
+    endpoint.transport().set_peers(&table)?;
+    Session::assemble(rt, env, h, endpoint, None, false)
+}
+
+fn launched(rt: Runtime, env: &EnvSettings, fd: i32) -> Result<Session> {
+    let mut control = take_control(fd)?;
+    let boot = |e: bootstrap::ControlError| Error::Bootstrap(format!("control channel to the agent: {e}"));
+    control.set_read_timeout(Some(Duration::from_secs(60))).map_err(|e| Error::Bootstrap(e.to_string()))?;
+    let h = match bootstrap::read_msg::<ToRank>(&mut control).map_err(boot)? {
+        ToRank::Handoff(h) if h.version == HANDOFF_VERSION => h,
+        ToRank::Handoff(h) => {
+            return Err(Error::Bootstrap(format!(
+                "handoff version {} (this build speaks {HANDOFF_VERSION})",
+                h.version
+            )))
+        }
+        ToRank::Peers(_) => return Err(Error::Bootstrap("agent sent the address table before the handoff".into())),
+    };
+    let endpoint = bind(&rt, &h)?;
+    bootstrap::write_msg(&mut control, &FromRank::Ready { addr: endpoint.transport().local_addr() }).map_err(boot)?;
+    control
+        .set_read_timeout(Some(Duration::from_millis(h.timeout_ms.max(1))))
+        .map_err(|e| Error::Bootstrap(e.to_string()))?;
+    let table = match bootstrap::read_msg::<ToRank>(&mut control).map_err(boot)? {
+        ToRank::Peers(t) if t.len() == h.size as usize => t,
+        ToRank::Peers(t) => {
+            return Err(Error::Bootstrap(format!("address table of {} ranks for a job of {}", t.len(), h.size)))
+        }
+        ToRank::Handoff(_) => return Err(Error::Bootstrap("second handoff".into())),
+    };
+    endpoint.transport().set_peers(&table)?;
+    control.set_read_timeout(None).map_err(|e| Error::Bootstrap(e.to_string()))?;
+    Session::assemble(rt, env, h, endpoint, Some(control), true)
+}
+
+fn bind(rt: &Runtime, h: &RankHandoff) -> Result<Endpoint> {
+    let mailbox = Arc::new(Mailbox::new());
+    let setup = TransportSetup {
+        identity: Identity { job: h.job, key: h.key.clone(), rank: h.rank },
+        size: h.size,
+        config: TransportConfig::default(),
+        mailbox: mailbox.clone(),
+    };
+    let _guard = rt.enter();
+    let t = ductile_transport::bind(&h.transport, setup)?;
+    Ok(Endpoint::new(t, mailbox, h.rank))
+}
+
+/// Takes ownership of the control channel after checking that it is an open Unix
+/// socket created by this process's parent (the agent). A stray `DUCTILE_CONTROL_FD`
+/// inherited by some unrelated child is refused instead of reading a random descriptor.
+fn take_control(fd: i32) -> Result<UnixStream> {
+    use std::os::fd::FromRawFd;
+    let bad = |why: String| Error::Bootstrap(format!("DUCTILE_CONTROL_FD={fd}: {why}"));
+    // SAFETY: fcntl and getsockopt only read the descriptor table and socket state;
+    // `cred` and `len` are valid for writes of the sizes given.
+    let (flags, rc, cred) = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFD);
+        let mut cred: libc::ucred = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        let rc = libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, (&raw mut cred).cast(), &mut len);
+        (flags, rc, cred)
+    };
+    if flags < 0 {
+        return Err(bad("not an open descriptor".into()));
+    }
+    if rc != 0 {
+        return Err(bad("not a socket".into()));
+    }
+    let parent = std::os::unix::process::parent_id();
+    if u32::try_from(cred.pid).ok() != Some(parent) {
+        return Err(bad(format!(
+            "the socket was made by pid {}, not by this process's agent (pid {parent})",
+            cred.pid
+        )));
+    }
+    // SAFETY: the descriptor is open, is a socket from our agent, and is taken only
+    // once per process (guarded by TAKEN in `init`); nothing else owns it.
+    let stream = unsafe {
+        libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+        UnixStream::from_raw_fd(fd)
+    };
+    Ok(stream)
+}
+
+impl Session {
+    fn assemble(
+        rt: Runtime,
+        env: &EnvSettings,
+        h: RankHandoff,
+        endpoint: Endpoint,
+        control: Option<UnixStream>,
+        launched: bool,
+    ) -> Result<Self> {
+        let members: Vec<Rank> = (0..h.size).map(Rank).collect();
+        let timeout = Duration::from_millis(h.timeout_ms);
+        let world = AsyncGroup::new(endpoint.clone(), Context(0), members, h.rank.index(), timeout)?;
+        let world = Group::new(world, rt.handle().clone(), env.spin);
+        let info = JobInfo { job: h.job, node: h.node, nodes: h.nodes, launched, transport: h.transport };
+        tracing::debug!("{} of {} joined job {} on {}", h.rank, h.size, h.job, h.node);
+        Ok(Self { world, info, endpoint, control, rt: Some(rt) })
+    }
+
+    /// The group of every process in the job.
+    #[must_use]
+    pub fn world(&self) -> &Group {
+        &self.world
+    }
+
+    /// Facts about the job.
+    #[must_use]
+    pub fn info(&self) -> &JobInfo {
+        &self.info
+    }
+
+    /// Leaves the job: waits for every rank (a barrier), says goodbye to connected
+    /// peers and tells the agent.
+    ///
+    /// # Collective
+    ///
+    /// # Errors
+    /// The barrier failed (a peer is gone or silent past the timeout).
+    pub fn finalize(mut self) -> Result<()> {
+        self.world.barrier()?;
+        let t = self.endpoint.transport().clone();
+        self.world.block(t.close());
+        if let Some(c) = self.control.as_mut() {
+            // The agent may already be gone; finalizing locally is still complete.
+            let _ = bootstrap::write_msg(c, &FromRank::Finalized);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // No network work here: stop the progress threads without waiting.
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
