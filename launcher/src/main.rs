@@ -1,1 +1,75 @@
-fn main() {}
+//! The `ductile` binary.
+
+use clap::Parser;
+use ductile_launcher::cli::{node_map, Cli, Command};
+use std::process::ExitCode;
+
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    // One thread: every child is forked from the main thread, which the parent-death
+    // signal of children is tied to.
+    tokio::runtime::Builder::new_current_thread().enable_all().build()
+}
+
+fn exit(code: i32) -> ExitCode {
+    ExitCode::from(u8::try_from(code.clamp(0, 255)).unwrap_or(1))
+}
+
+fn main() -> ExitCode {
+    let filter = tracing_subscriber_filter();
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let text = e.to_string();
+            let first = text.lines().next().unwrap_or("bad arguments").trim_start_matches("error: ");
+            eprintln!("ductile: {first} (see ductile --help)");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("ductile: cannot start: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match cli.command {
+        Command::Agent => match rt.block_on(ductile_launcher::agent::run()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("ductile agent: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Run(args) => {
+            let dry = args.dry_run;
+            let spec = match args.into_spec() {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("ductile: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            if dry {
+                print!("{}", node_map(&spec));
+                return ExitCode::SUCCESS;
+            }
+            match rt.block_on(ductile_launcher::controller::run(spec)) {
+                Ok(code) => exit(code),
+                Err(e) => {
+                    eprintln!("ductile: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+fn tracing_subscriber_filter() -> tracing_subscriber::EnvFilter {
+    tracing_subscriber::EnvFilter::try_from_env("DUCTILE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"))
+}

@@ -60,7 +60,7 @@ fn wait(flag: &Flag, spin: Duration) {
             break;
         }
         rounds += 1;
-        if rounds % 16 == 0 {
+        if rounds.is_multiple_of(16) {
             thread::yield_now();
         } else {
             std::hint::spin_loop();

@@ -12,6 +12,7 @@ use ductile_transport::{EndpointAddr, JobId, JobKey, NodeId, Rank};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
 
 /// Version of the handoff; a rank refuses a handoff of another version.
 pub const HANDOFF_VERSION: u32 = 1;
@@ -157,6 +158,47 @@ pub mod nonblocking {
         r.read_exact(&mut body).await?;
         Ok(postcard::from_bytes(&body)?)
     }
+}
+
+/// Takes ownership of the control channel after checking that it is an open Unix
+/// socket created by this process's parent (the agent). A stray `DUCTILE_CONTROL_FD`
+/// inherited by some unrelated child is refused instead of reading a random descriptor.
+/// Call it once per process: it takes ownership of the descriptor.
+///
+/// # Errors
+/// The descriptor is not open, not a socket, or not from the parent process.
+pub fn take_control(fd: i32) -> Result<UnixStream, String> {
+    use std::os::fd::FromRawFd;
+    let bad = |why: String| format!("DUCTILE_CONTROL_FD={fd}: {why}");
+    // SAFETY: fcntl and getsockopt only read the descriptor table and socket state;
+    // `cred` and `len` are valid for writes of the sizes given.
+    let (flags, rc, cred) = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFD);
+        let mut cred: libc::ucred = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        let rc = libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, (&raw mut cred).cast(), &mut len);
+        (flags, rc, cred)
+    };
+    if flags < 0 {
+        return Err(bad("not an open descriptor".into()));
+    }
+    if rc != 0 {
+        return Err(bad("not a socket".into()));
+    }
+    let parent = std::os::unix::process::parent_id();
+    if u32::try_from(cred.pid).ok() != Some(parent) {
+        return Err(bad(format!(
+            "the socket was made by pid {}, not by this process's agent (pid {parent})",
+            cred.pid
+        )));
+    }
+    // SAFETY: the descriptor is open, is a socket from our agent, and is taken only
+    // once per process (callers guard this); nothing else owns it.
+    let stream = unsafe {
+        libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+        UnixStream::from_raw_fd(fd)
+    };
+    Ok(stream)
 }
 
 #[cfg(test)]

@@ -32,7 +32,7 @@ pub(crate) fn count_of<T: Pod>(b: &[u8], src: usize) -> Result<usize> {
     if elem == 0 {
         return Ok(0);
     }
-    if b.len() % elem != 0 {
+    if !b.len().is_multiple_of(elem) {
         return Err(Error::Misaligned { len: b.len(), elem, src });
     }
     Ok(b.len() / elem)

@@ -93,7 +93,7 @@ fn standalone(rt: Runtime, env: &EnvSettings) -> Result<Session> {
 }
 
 fn launched(rt: Runtime, env: &EnvSettings, fd: i32) -> Result<Session> {
-    let mut control = take_control(fd)?;
+    let mut control = bootstrap::take_control(fd).map_err(Error::Bootstrap)?;
     let boot = |e: bootstrap::ControlError| Error::Bootstrap(format!("control channel to the agent: {e}"));
     control.set_read_timeout(Some(Duration::from_secs(60))).map_err(|e| Error::Bootstrap(e.to_string()))?;
     let h = match bootstrap::read_msg::<ToRank>(&mut control).map_err(boot)? {
@@ -136,43 +136,6 @@ fn bind(rt: &Runtime, h: &RankHandoff) -> Result<Endpoint> {
     Ok(Endpoint::new(t, mailbox, h.rank))
 }
 
-/// Takes ownership of the control channel after checking that it is an open Unix
-/// socket created by this process's parent (the agent). A stray `DUCTILE_CONTROL_FD`
-/// inherited by some unrelated child is refused instead of reading a random descriptor.
-fn take_control(fd: i32) -> Result<UnixStream> {
-    use std::os::fd::FromRawFd;
-    let bad = |why: String| Error::Bootstrap(format!("DUCTILE_CONTROL_FD={fd}: {why}"));
-    // SAFETY: fcntl and getsockopt only read the descriptor table and socket state;
-    // `cred` and `len` are valid for writes of the sizes given.
-    let (flags, rc, cred) = unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFD);
-        let mut cred: libc::ucred = std::mem::zeroed();
-        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-        let rc = libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, (&raw mut cred).cast(), &mut len);
-        (flags, rc, cred)
-    };
-    if flags < 0 {
-        return Err(bad("not an open descriptor".into()));
-    }
-    if rc != 0 {
-        return Err(bad("not a socket".into()));
-    }
-    let parent = std::os::unix::process::parent_id();
-    if u32::try_from(cred.pid).ok() != Some(parent) {
-        return Err(bad(format!(
-            "the socket was made by pid {}, not by this process's agent (pid {parent})",
-            cred.pid
-        )));
-    }
-    // SAFETY: the descriptor is open, is a socket from our agent, and is taken only
-    // once per process (guarded by TAKEN in `init`); nothing else owns it.
-    let stream = unsafe {
-        libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
-        UnixStream::from_raw_fd(fd)
-    };
-    Ok(stream)
-}
-
 impl Session {
     fn assemble(
         rt: Runtime,
@@ -195,6 +158,12 @@ impl Session {
     #[must_use]
     pub fn world(&self) -> &Group {
         &self.world
+    }
+
+    /// The address this process's endpoint listens on (for diagnostics and tests).
+    #[must_use]
+    pub fn local_addr(&self) -> String {
+        self.endpoint.transport().local_addr().0
     }
 
     /// Facts about the job.

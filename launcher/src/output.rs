@@ -1,0 +1,41 @@
+//! Forwarding a rank's output, line by line, optionally prefixed with `[rank]`.
+
+use std::io::Write;
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+
+/// Which of the agent's streams to write to.
+#[derive(Clone, Copy, Debug)]
+pub enum Stream {
+    /// Standard output.
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+/// Copies `from` to the agent's `to` stream a line at a time (so lines of different
+/// ranks never interleave mid-line), with `prefix` before each line.
+pub async fn forward(from: impl AsyncRead + Unpin, prefix: Option<String>, to: Stream) {
+    let mut reader = BufReader::new(from);
+    let mut line = Vec::with_capacity(256);
+    loop {
+        line.clear();
+        match reader.read_until(b'\n', &mut line).await {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!("output forwarding stopped: {e}");
+                return;
+            }
+        }
+        let mut out = Vec::with_capacity(line.len() + 16);
+        if let Some(p) = &prefix {
+            out.extend_from_slice(p.as_bytes());
+        }
+        out.extend_from_slice(&line);
+        // A closed stdout (e.g. `| head`) must not stop the job; drop the output.
+        let _ = match to {
+            Stream::Stdout => std::io::stdout().lock().write_all(&out),
+            Stream::Stderr => std::io::stderr().lock().write_all(&out),
+        };
+    }
+}

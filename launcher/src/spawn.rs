@@ -1,0 +1,92 @@
+//! Starting child processes with a control channel as fd 3.
+//!
+//! Children get: the channel as [`CONTROL_FD`] (named in `DUCTILE_CONTROL_FD`), a
+//! parent-death signal (SIGKILL) so nothing outlives its parent, and, for agents, a new
+//! process group so a whole node world can be ended with one `killpg`. Spawning happens
+//! on the launcher's main thread (a current-thread runtime), which matters because the
+//! parent-death signal follows the thread that forked.
+
+use ductile::bootstrap::{CONTROL_FD, CONTROL_FD_ENV};
+use std::ffi::OsStr;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::process::Stdio;
+use tokio::process::{Child, Command};
+
+/// How a child's output is handled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// Inherit the parent's stdout and stderr.
+    Inherit,
+    /// Pipes, read by the parent.
+    Piped,
+}
+
+/// Starts `program args` with `channel` as its control channel.
+///
+/// # Errors
+/// The program cannot be started.
+pub fn spawn_with_channel(
+    program: &OsStr,
+    args: &[impl AsRef<OsStr>],
+    channel: &UnixStream,
+    new_group: bool,
+    output: Output,
+) -> std::io::Result<Child> {
+    let fd = channel.as_raw_fd();
+    let parent = std::process::id();
+    let mut cmd = Command::new(program);
+    cmd.args(args).env(CONTROL_FD_ENV, CONTROL_FD.to_string()).stdin(Stdio::null()).kill_on_drop(false);
+    if output == Output::Piped {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    }
+    // SAFETY: the closure runs in the forked child before exec and calls only
+    // async-signal-safe functions (fcntl, dup2, setpgid, prctl, getppid).
+    unsafe {
+        cmd.pre_exec(move || child_setup(fd, new_group, parent));
+    }
+    cmd.spawn()
+}
+
+fn child_setup(fd: i32, new_group: bool, parent: u32) -> std::io::Result<()> {
+    let check = |rc: i32| if rc < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) };
+    // SAFETY: plain syscalls on descriptors and the calling process.
+    unsafe {
+        if fd == CONTROL_FD {
+            check(libc::fcntl(fd, libc::F_SETFD, 0))?;
+        } else {
+            check(libc::dup2(fd, CONTROL_FD))?;
+        }
+        if new_group {
+            check(libc::setpgid(0, 0))?;
+        }
+        check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0))?;
+        // The parent may have died before the death signal was armed.
+        if u32::try_from(libc::getppid()).ok() != Some(parent) {
+            return Err(std::io::Error::other("parent exited during spawn"));
+        }
+    }
+    Ok(())
+}
+
+/// Sends `sig` to a process (ignoring one that is already gone).
+pub fn signal_pid(pid: u32, sig: i32) {
+    if let Ok(p) = i32::try_from(pid) {
+        // SAFETY: kill with a positive pid signals one process that we started.
+        unsafe {
+            libc::kill(p, sig);
+        }
+    }
+}
+
+/// Sends `sig` to a process group led by `pgid` (ignoring one that is gone).
+pub fn signal_group(pgid: u32, sig: i32) {
+    if let Ok(p) = i32::try_from(pgid) {
+        if p > 1 {
+            // SAFETY: killpg of a group we created (the agent's own group).
+            unsafe {
+                libc::killpg(p, sig);
+            }
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! `ductile run` end to end: real processes on simulated local nodes.
+
+use ductile_suite::paths::{ductile_bin, example};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn ductile(args: &[&str]) -> Command {
+    let bin = ductile_bin();
+    assert!(
+        bin.exists(),
+        "{} is missing: build the workspace first (cargo build --workspace --examples)",
+        bin.display()
+    );
+    let mut c = Command::new(bin);
+    c.args(args).env_remove("DUCTILE_LOG");
+    c
+}
+
+fn run(args: &[&str]) -> Output {
+    ductile(args).output().expect("start ductile")
+}
+
+fn ex(name: &str) -> String {
+    let p = example(name);
+    assert!(p.exists(), "{} is missing: build the examples first", p.display());
+    p.display().to_string()
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("ductile-test-{}-{name}", std::process::id()))
+}
+
+/// Every pid in a report is gone (a zombie waiting for init to reap it counts as gone).
+fn assert_no_survivors(report: &std::path::Path) {
+    let text = std::fs::read_to_string(report).expect("report written");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut pids = Vec::new();
+    for n in v["nodes"].as_array().unwrap() {
+        pids.push(n["agent_pid"].as_u64().unwrap());
+        pids.extend(n["pids"].as_array().unwrap().iter().map(|p| p.as_u64().unwrap()));
+    }
+    assert!(!pids.is_empty());
+    let alive: Vec<u64> = pids
+        .into_iter()
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .map(|s| s.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+                .unwrap_or(false)
+        })
+        .collect();
+    assert!(alive.is_empty(), "processes of the job still running: {alive:?}");
+}
+
+#[test]
+fn hello_ring_and_allreduce_over_1_to_4_nodes() {
+    for (n, nodes) in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4)] {
+        let (ns, nodes_s) = (n.to_string(), nodes.to_string());
+        let out = run(&["run", "-n", &ns, "--nodes", &nodes_s, "--tag-output", "--", &ex("hello")]);
+        assert!(out.status.success(), "hello -n {n}: {out:?}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        for r in 0..n {
+            let node = r * nodes / n;
+            let want = format!("[{r}] hello from rank {r} of {n} on node {node} of {nodes}");
+            assert!(text.contains(&want), "missing {want:?} in {text}");
+        }
+        let out = run(&["run", "-n", &ns, "--nodes", &nodes_s, "--", &ex("ring"), "5"]);
+        assert!(out.status.success(), "ring -n {n}: {out:?}");
+        let want = format!("token went around 5 times and reads {}", 5 * n);
+        assert!(String::from_utf8_lossy(&out.stdout).contains(&want));
+        let out = run(&["run", "-n", &ns, "--nodes", &nodes_s, "--", &ex("allreduce"), "100000"]);
+        assert!(out.status.success(), "allreduce -n {n}: {out:?}");
+        let p = n as u64;
+        let total: u64 = (0..100_000u64).map(|i| p * i + p * (p - 1) / 2).sum();
+        let want = format!("allreduce over {n} ranks of 100000 elements: correct; total {total}");
+        assert!(String::from_utf8_lossy(&out.stdout).contains(&want), "{out:?}");
+    }
+}
+
+#[test]
+fn a_failing_rank_ends_the_job_with_its_code_and_leaves_nothing() {
+    let report = tmp("fail.json");
+    let start = Instant::now();
+    let out = run(&[
+        "run",
+        "-n",
+        "4",
+        "--nodes",
+        "2",
+        "--timeout",
+        "30",
+        "--report",
+        report.to_str().unwrap(),
+        "--",
+        &ex("fault"),
+        "exit",
+        "2",
+        "3",
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    assert!(start.elapsed() < Duration::from_secs(20));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rank 2 on node 1 exited with code 3"));
+    assert_no_survivors(&report);
+    let _ = std::fs::remove_file(report);
+}
+
+#[test]
+fn timeout_and_ctrl_c_end_the_whole_job() {
+    let report = tmp("timeout.json");
+    let out = run(&[
+        "run",
+        "-n",
+        "4",
+        "--nodes",
+        "2",
+        "--timeout",
+        "2",
+        "--report",
+        report.to_str().unwrap(),
+        "--",
+        &ex("fault"),
+        "hang",
+    ]);
+    assert_eq!(out.status.code(), Some(124), "{out:?}");
+    assert_no_survivors(&report);
+
+    let report = tmp("sigint.json");
+    let mut child =
+        ductile(&["run", "-n", "4", "--nodes", "2", "--report", report.to_str().unwrap(), "--", &ex("fault"), "hang"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    for _ in 0..4 {
+        assert!(lines.next().unwrap().unwrap().contains("waiting"));
+    }
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGINT).unwrap();
+    let status = wait_with_timeout(&mut child, Duration::from_secs(20));
+    assert_eq!(status.code(), Some(130));
+    assert_no_survivors(&report);
+    let _ = std::fs::remove_file(report);
+}
+
+fn wait_with_timeout(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("ductile run did not end within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn bad_command_lines_get_one_clear_line() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["run", "-n", "0", "--", "true"], "-n must be at least 1"),
+        (&["run", "-n", "2"], "no program given"),
+        (&["run", "-n", "2", "--", "no-such-program-here"], "program not found"),
+        (&["run", "--nodes", "0", "--", "true"], "--nodes must be at least 1"),
+        (&["run", "-n", "2", "--nodes", "3", "--", "true"], "3 nodes need at least 3 ranks"),
+        (&["run", "-n", "x", "--", "true"], "invalid value 'x'"),
+        (&["run", "--timeout", "0", "--", "true"], "--timeout must be at least 1"),
+    ];
+    for (args, want) in cases {
+        let out = run(args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    let out = run(&["run", "-n", "6", "--dry-run", "--", "true"]);
+    assert!(out.status.success());
+    let map = String::from_utf8_lossy(&out.stdout);
+    assert!(map.contains("6 ranks on 2 simulated nodes") && map.contains("node 1: 3 slots, ranks 3..=5"), "{map}");
+}
+
+#[test]
+fn a_program_that_is_not_a_ductile_program_fails_cleanly() {
+    let report = tmp("notductile.json");
+    let out = run(&["run", "-n", "2", "--timeout", "5", "--report", report.to_str().unwrap(), "--", "sleep", "30"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("did not join the job within"), "{err}");
+    assert_no_survivors(&report);
+    let _ = std::fs::remove_file(report);
+}
+
+#[test]
+fn intruders_are_rejected_and_the_job_completes() {
+    use ductile_transport::auth::{dial, Identity};
+    use ductile_transport::{JobId, JobKey, Rank};
+    let go = tmp("go");
+    let _ = std::fs::remove_file(&go);
+    let mut child =
+        ductile(&["run", "-n", "4", "--nodes", "2", "--timeout", "60", "--", &ex("guarded"), go.to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let mut words = first.split_whitespace();
+    assert_eq!(words.next(), Some("ADDR"));
+    let addr: std::net::SocketAddr = words.next().unwrap().parse().unwrap();
+    assert_eq!(words.next(), Some("JOB"));
+    let job = JobId(u64::from_str_radix(words.next().unwrap(), 16).unwrap());
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        use tokio::io::AsyncWriteExt;
+        let t = Duration::from_secs(5);
+        // The right job id but a wrong key: the rank's proof fails on our side and ours on its side.
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let wrong = Identity { job, key: JobKey::from_bytes([7; 32]), rank: Rank(1) };
+        assert!(dial(&mut s, &wrong, Rank(0), t).await.is_err());
+        drop(s);
+        // Garbage bytes.
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(&[0xa5; 300]).await.unwrap();
+        drop(s);
+        // A truncated hello.
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"DUH1\x00\x01").await.unwrap();
+        drop(s);
+        // A frame header announcing 2^64-1 bytes, padded to a hello's length.
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut h = ductile_transport::frame::FrameHeader::data(
+            Rank(1),
+            ductile_transport::Context(0),
+            ductile_transport::Tag(0),
+            u64::MAX,
+        )
+        .encode()
+        .to_vec();
+        h.resize(ductile_transport::auth::HELLO_LEN, 0xff);
+        s.write_all(&h).await.unwrap();
+        s.flush().await.unwrap();
+        drop(s);
+    });
+    std::fs::File::create(&go).unwrap().write_all(b"go").unwrap();
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    let status = wait_with_timeout(&mut child, Duration::from_secs(60));
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(status.success(), "{err}");
+    assert!(rest.iter().any(|l| l.contains("guarded: result correct")), "{rest:?}");
+    let rejected = err.lines().filter(|l| l.contains("rejected connection")).count();
+    assert_eq!(rejected, 4, "{err}");
+    let _ = std::fs::remove_file(go);
+}
