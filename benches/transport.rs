@@ -9,6 +9,8 @@
 //! sample is one job whose rank 0 times `iters` iterations itself, so process start-up
 //! is not measured.
 
+#![allow(missing_docs)] // criterion_group! generates an undocumented function
+
 use bytes::Bytes;
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use ductile_suite::paths::{ductile_bin, profile_dir};

@@ -3,7 +3,8 @@
 //! The blocking API polls futures on the application thread while the runtime's
 //! progress thread drives sockets and timers. Waiting first spins briefly (re-checking a
 //! wake flag and yielding the CPU) and only then parks: a message that arrives within
-//! the spin window is picked up without a sleep/wake round trip through the kernel,
+//! the spin window is picked up without a sleep/wake round trip through the kernel
+//! (the spinning thread also reads the transport's sockets itself),
 //! which is what HPC codes expect from a blocking receive. tokio's own `block_on` parks
 //! at once, which costs several microseconds per message; that is why this small
 //! executor exists.
@@ -34,8 +35,17 @@ impl Wake for Flag {
 }
 
 /// Polls `fut` to completion on this thread, spinning up to `spin` per wait before
-/// parking. Tokio resources used by `fut` are driven by `handle`'s runtime.
-pub(crate) fn block_on<F: Future>(handle: &Handle, spin: Duration, fut: F) -> F::Output {
+/// parking; while spinning it calls `progress` (the transport's own polling, which
+/// delivers arrived messages without waking another thread). Tokio resources used by
+/// `fut` are driven by `handle`'s runtime.
+/// Returns `None` if `deadline` passes first (the future is dropped).
+pub(crate) fn block_on<F: Future>(
+    handle: &Handle,
+    spin: Duration,
+    deadline: Instant,
+    progress: &impl Progress,
+    fut: F,
+) -> Option<F::Output> {
     let _enter = handle.enter();
     let flag = Arc::new(Flag { woken: AtomicBool::new(false), thread: thread::current() });
     let waker = Waker::from(flag.clone());
@@ -43,21 +53,77 @@ pub(crate) fn block_on<F: Future>(handle: &Handle, spin: Duration, fut: F) -> F:
     let mut fut = pin!(fut);
     loop {
         if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
-            return v;
+            return Some(v);
         }
-        wait(&flag, spin);
+        if !wait(&flag, spin, deadline, progress) {
+            return None;
+        }
     }
 }
 
-fn wait(flag: &Flag, spin: Duration) {
-    let start = Instant::now();
+/// Progress made by a waiting thread: the transport's polling.
+pub(crate) trait Progress {
+    /// The thread starts polling.
+    fn begin(&self) {}
+    /// One round of polling; true if data is flowing (the spin window restarts).
+    fn poll(&self) -> bool {
+        false
+    }
+    /// The thread stops polling; `parking` if it is about to sleep.
+    fn end(&self, parking: bool) {
+        let _ = parking;
+    }
+}
+
+impl Progress for () {}
+
+impl Progress for ductile_transport::Endpoint {
+    fn begin(&self) {
+        self.poll_begin();
+    }
+
+    fn poll(&self) -> bool {
+        self.progress()
+    }
+
+    fn end(&self, parking: bool) {
+        self.poll_end(parking);
+    }
+}
+
+/// Waits for a wake-up; false if the deadline passed first.
+fn wait(flag: &Flag, spin: Duration, deadline: Instant, progress: &impl Progress) -> bool {
+    if spin > Duration::ZERO {
+        progress.begin();
+        let woken = spin_wait(flag, spin, progress);
+        progress.end(!woken);
+        if woken || flag.woken.swap(false, Ordering::Acquire) {
+            return true;
+        }
+    }
+    while !flag.woken.swap(false, Ordering::Acquire) {
+        let now = Instant::now();
+        if now >= deadline {
+            return false;
+        }
+        thread::park_timeout(deadline - now);
+    }
+    true
+}
+
+/// Spins until `spin` passes without data arriving, polling; true if woken.
+fn spin_wait(flag: &Flag, spin: Duration, progress: &impl Progress) -> bool {
+    let mut start = Instant::now();
     let mut rounds = 0u32;
     loop {
         if flag.woken.swap(false, Ordering::Acquire) {
-            return;
+            return true;
         }
         if start.elapsed() >= spin {
-            break;
+            return false;
+        }
+        if progress.poll() {
+            start = Instant::now();
         }
         rounds += 1;
         if rounds.is_multiple_of(16) {
@@ -65,9 +131,6 @@ fn wait(flag: &Flag, spin: Duration) {
         } else {
             std::hint::spin_loop();
         }
-    }
-    while !flag.woken.swap(false, Ordering::Acquire) {
-        thread::park();
     }
 }
 
@@ -84,11 +147,10 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(5)).await;
                 tx.send(7).unwrap();
             });
-            assert_eq!(block_on(rt.handle(), spin, rx).unwrap(), 7);
+            let far = Instant::now() + Duration::from_secs(10);
+            assert_eq!(block_on(rt.handle(), spin, far, &(), rx).unwrap().unwrap(), 7);
         }
-        let t = block_on(rt.handle(), Duration::ZERO, async {
-            tokio::time::timeout(Duration::from_millis(10), std::future::pending::<()>()).await
-        });
-        assert!(t.is_err());
+        let soon = Instant::now() + Duration::from_millis(10);
+        assert!(block_on(rt.handle(), Duration::ZERO, soon, &(), std::future::pending::<()>()).is_none());
     }
 }

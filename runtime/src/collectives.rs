@@ -378,7 +378,7 @@ impl Group {
     /// # Errors
     /// A transport error or timeout naming the peer.
     pub fn barrier(&self) -> Result<()> {
-        self.block(self.as_async().barrier())
+        self.block(self.core_async().barrier())
     }
 
     /// Broadcasts the root's `data` into every member's `data`.
@@ -389,7 +389,7 @@ impl Group {
     /// Bad root, or a transport error or timeout naming the peer.
     pub fn broadcast<T: Pod + Send + Sync>(&self, root: usize, data: &mut Vec<T>) -> Result<()> {
         let payload = if self.rank() == root { pod::slice_to_bytes(data) } else { Bytes::new() };
-        let b = self.block(self.as_async().broadcast_bytes(root, payload))?;
+        let b = self.block(self.core_async().broadcast_bytes(root, payload))?;
         if self.rank() != root {
             *data = pod::bytes_to_vec(&b, root)?;
         }
@@ -408,7 +408,7 @@ impl Group {
         } else {
             Bytes::new()
         };
-        let b = self.block(self.as_async().broadcast_bytes(root, payload))?;
+        let b = self.block(self.core_async().broadcast_bytes(root, payload))?;
         if self.rank() != root {
             *value = postcard::from_bytes(&b).map_err(|source| Error::Decode { src: root, source })?;
         }
@@ -423,7 +423,7 @@ impl Group {
     /// # Errors
     /// Bad root, mismatched lengths, or a transport error.
     pub fn reduce<T: Reducible>(&self, root: usize, data: &[T], op: ReduceOp) -> Result<Option<Vec<T>>> {
-        self.block(self.as_async().reduce(root, data, op))
+        self.block(self.core_async().reduce(root, data, op))
     }
 
     /// Element-wise reduction whose result every member gets.
@@ -434,7 +434,7 @@ impl Group {
     /// # Errors
     /// Mismatched lengths, or a transport error.
     pub fn allreduce<T: Reducible>(&self, data: &[T], op: ReduceOp) -> Result<Vec<T>> {
-        self.block(self.as_async().allreduce(data, op))
+        self.block(self.core_async().allreduce(data, op))
     }
 
     /// Gathers every member's elements on `root`, in rank order.
@@ -444,7 +444,7 @@ impl Group {
     /// # Errors
     /// Bad root, or a transport error.
     pub fn gather<T: Pod>(&self, root: usize, data: &[T]) -> Result<Option<Vec<Vec<T>>>> {
-        self.block(self.as_async().gather_bytes(root, pod::slice_to_bytes(data)))?.map(to_vecs).transpose()
+        self.block(self.core_async().gather_bytes(root, pod::slice_to_bytes(data)))?.map(to_vecs).transpose()
     }
 
     /// Gathers every member's elements on every member, in rank order.
@@ -454,7 +454,7 @@ impl Group {
     /// # Errors
     /// A transport error.
     pub fn allgather<T: Pod>(&self, data: &[T]) -> Result<Vec<Vec<T>>> {
-        to_vecs(self.block(self.as_async().allgather_bytes(pod::slice_to_bytes(data)))?)
+        to_vecs(self.block(self.core_async().allgather_bytes(pod::slice_to_bytes(data)))?)
     }
 
     /// Sends `blocks[i]` to member `i`; returns what each member sent here.
@@ -465,7 +465,7 @@ impl Group {
     /// `blocks.len()` differs from the group size, or a transport error.
     pub fn alltoallv<T: Pod>(&self, blocks: &[Vec<T>]) -> Result<Vec<Vec<T>>> {
         let bs = blocks.iter().map(|b| pod::slice_to_bytes(b)).collect();
-        to_vecs(self.block(self.as_async().alltoallv_bytes(bs))?)
+        to_vecs(self.block(self.core_async().alltoallv_bytes(bs))?)
     }
 }
 

@@ -6,6 +6,7 @@
 //! | `DUCTILE_SPIN_US` | how long a blocking wait spins before parking, µs | [`DEFAULT_SPIN_US`] |
 //! | `DUCTILE_THREADS` | progress threads per process | [`DEFAULT_THREADS`] |
 //! | `DUCTILE_TIMEOUT` | timeout of every wait of a standalone process, s (launched ranks get theirs from the launcher) | [`DEFAULT_TIMEOUT_SECS`] |
+//! | `DUCTILE_MALLOC_TUNING` | `0` leaves glibc's allocator settings alone (see `init`) | `1` |
 //! | `DUCTILE_CONTROL_FD` | set by the agent: the control channel's descriptor | unset (standalone) |
 
 use std::time::Duration;
@@ -28,6 +29,8 @@ pub struct EnvSettings {
     pub timeout: Duration,
     /// Control channel descriptor, if launched.
     pub control_fd: Option<i32>,
+    /// Whether `init` tunes the allocator for large messages.
+    pub malloc_tuning: bool,
 }
 
 fn parse<T: std::str::FromStr>(name: &str) -> Result<Option<T>, String> {
@@ -53,6 +56,7 @@ impl EnvSettings {
             threads,
             timeout: Duration::from_secs(parse("DUCTILE_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT_SECS)),
             control_fd: parse(crate::bootstrap::CONTROL_FD_ENV)?,
+            malloc_tuning: parse::<u8>("DUCTILE_MALLOC_TUNING")?.unwrap_or(1) != 0,
         })
     }
 }

@@ -9,12 +9,13 @@ use crate::error::{Error, Result};
 use crate::pod;
 use bytemuck::Pod;
 use bytes::Bytes;
-use ductile_transport::{Context, Endpoint, Pattern, Rank, SrcMatch, Tag, TagMatch};
+use ductile_transport::transport::describe;
+use ductile_transport::{Context, Endpoint, Pattern, Rank, SrcMatch, Tag, TagMatch, TransportError};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 
 /// What a receive got: who sent it, with which tag, how many bytes.
@@ -35,12 +36,20 @@ struct Core {
     members: Vec<Rank>,
     index: HashMap<Rank, usize>,
     timeout: Duration,
+    /// What the group's latest receive waits for, to name it when a wait times out.
+    waiting_for: Mutex<Option<Pattern>>,
 }
 
 /// The async core of a group. Cheap to clone.
+///
+/// Each receive is bounded by the group's timeout with a tokio timer. The blocking
+/// [`Group`] uses an untimed view of the same core and bounds the whole call instead
+/// (see [`crate::blocking`]): registering a timer per receive would wake the progress
+/// thread on every message.
 #[derive(Clone)]
 pub struct AsyncGroup {
     core: Arc<Core>,
+    timed: bool,
 }
 
 impl AsyncGroup {
@@ -58,7 +67,8 @@ impl AsyncGroup {
         if index.len() != members.len() {
             return Err(Error::Invalid("a rank appears twice in the group".into()));
         }
-        Ok(Self { core: Arc::new(Core { endpoint, ctx, rank, members, index, timeout }) })
+        let waiting_for = Mutex::new(None);
+        Ok(Self { core: Arc::new(Core { endpoint, ctx, rank, members, index, timeout, waiting_for }), timed: true })
     }
 
     /// This process's rank in the group.
@@ -96,7 +106,12 @@ impl AsyncGroup {
             None => SrcMatch::Any,
         };
         let pattern = Pattern { ctx: self.core.ctx, src, tag };
-        let env = self.core.endpoint.recv(pattern, self.core.timeout).await?;
+        let env = if self.timed {
+            self.core.endpoint.recv(pattern, self.core.timeout).await?
+        } else {
+            *self.core.waiting_for.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(pattern);
+            self.core.endpoint.post(pattern)?.await?
+        };
         let source = *self
             .core
             .index
@@ -187,24 +202,43 @@ impl AsyncGroup {
 /// A group with a blocking API, for SPMD code. Cheap to clone.
 #[derive(Clone)]
 pub struct Group {
+    timed: AsyncGroup,
     inner: AsyncGroup,
     handle: Handle,
     spin: Duration,
 }
 
 impl Group {
-    pub(crate) fn new(inner: AsyncGroup, handle: Handle, spin: Duration) -> Self {
-        Self { inner, handle, spin }
+    pub(crate) fn new(timed: AsyncGroup, handle: Handle, spin: Duration) -> Self {
+        let inner = AsyncGroup { core: timed.core.clone(), timed: false };
+        Self { timed, inner, handle, spin }
     }
 
-    /// Runs an async operation of this group to completion on the calling thread.
-    pub(crate) fn block<F: std::future::Future>(&self, f: F) -> F::Output {
-        crate::blocking::block_on(&self.handle, self.spin, f)
+    /// Runs an async operation of this group to completion on the calling thread,
+    /// bounded by the group's timeout; a timeout names what the call waited for.
+    pub(crate) fn block<T, F: std::future::Future<Output = Result<T>>>(&self, f: F) -> Result<T> {
+        let core = &self.inner.core;
+        let deadline = Instant::now() + core.timeout;
+        let ep = &core.endpoint;
+        match crate::blocking::block_on(&self.handle, self.spin, deadline, ep, f) {
+            Some(r) => r,
+            None => {
+                let waited = core.waiting_for.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+                let what = waited.map_or_else(|| "a send to complete".to_string(), |p| describe(&p));
+                Err(TransportError::Timeout { what, after: core.timeout }.into())
+            }
+        }
     }
 
-    /// The async core, for code that runs on an executor.
+    /// The async core, for code that runs on an executor (each receive bounded by the
+    /// group's timeout).
     #[must_use]
     pub fn as_async(&self) -> &AsyncGroup {
+        &self.timed
+    }
+
+    /// The untimed view used inside blocking calls.
+    pub(crate) fn core_async(&self) -> &AsyncGroup {
         &self.inner
     }
 

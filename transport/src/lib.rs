@@ -21,6 +21,7 @@ pub mod frame;
 pub mod ids;
 pub mod matching;
 pub mod mem;
+mod sys;
 pub mod tcp;
 pub mod transport;
 

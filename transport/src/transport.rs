@@ -61,6 +61,21 @@ pub trait Transport: Send + Sync + 'static {
     fn send(&self, dst: Rank, ctx: Context, tag: Tag, payload: Bytes) -> BoxFuture<'_, Result<(), TransportError>>;
     /// Says goodbye to every connected peer and stops serving connections.
     fn close(&self) -> BoxFuture<'_, ()>;
+    /// Makes progress on the calling thread without blocking: delivers whatever has
+    /// arrived, and says whether any data came in. Waiting application threads call it
+    /// while they spin; backends whose progress needs no help keep this default.
+    fn progress(&self) -> bool {
+        false
+    }
+    /// An application thread starts polling with [`Transport::progress`] in a loop;
+    /// backends may stop their own progress tasks from competing for the data.
+    fn poll_begin(&self) {}
+    /// The polling thread stops, `parking` if it is about to sleep (otherwise it goes
+    /// back to the application): backends resume their own progress and pick up
+    /// anything that arrived meanwhile.
+    fn poll_end(&self, parking: bool) {
+        let _ = parking;
+    }
 }
 
 /// What a backend needs to bind.
@@ -126,6 +141,21 @@ impl Endpoint {
     #[must_use]
     pub fn mailbox(&self) -> &Arc<Mailbox> {
         &self.mailbox
+    }
+
+    /// Makes progress on the calling thread; see [`Transport::progress`].
+    pub fn progress(&self) -> bool {
+        self.transport.progress()
+    }
+
+    /// See [`Transport::poll_begin`].
+    pub fn poll_begin(&self) {
+        self.transport.poll_begin();
+    }
+
+    /// See [`Transport::poll_end`].
+    pub fn poll_end(&self, parking: bool) {
+        self.transport.poll_end(parking);
     }
 
     /// Sends a message; a message to ourselves is delivered locally.

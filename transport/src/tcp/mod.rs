@@ -4,43 +4,44 @@
 //! on the first send to it and uses it for every later send, so messages to one peer
 //! are ordered and no simultaneous-connect race can arise; inbound connections only
 //! carry messages in. Every connection starts with the job-key handshake
-//! ([`crate::auth`]). Each inbound connection has a reader task that validates frames
+//! ([`crate::auth`]); accepting and authenticating runs on tokio. Authenticated inbound
+//! connections are read by the [`inbound`] progress engine, which validates frames
 //! ([`crate::frame`]) and delivers messages into the mailbox; a bad frame or a failed
 //! handshake closes that connection only, with a logged error.
 
 use crate::auth::{self, HandshakeError, Identity};
 use crate::config::TransportConfig;
 use crate::error::TransportError;
-use crate::frame::{FrameHeader, FrameKind, FrameLimits, HEADER_LEN};
+use crate::frame::{FrameHeader, HEADER_LEN};
 use crate::ids::{Context, Rank, Tag};
-use crate::matching::{Envelope, Mailbox, PeerEnd};
 use crate::transport::{BoxFuture, Capabilities, EndpointAddr, Transport, TransportSetup};
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::Bytes;
+use inbound::Reader;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
 
+mod inbound;
+
 const NAME: &str = "tcp";
 /// Payloads up to this size are copied behind the header and written with one call.
 const COALESCE_MAX: usize = 16 * 1024;
-/// Size of a reader's receive buffer for small frames.
-const READ_BUF: usize = 64 * 1024;
 
 type Slot = Arc<tokio::sync::Mutex<Option<OwnedWriteHalf>>>;
 
 struct Inner {
     me: Identity,
     cfg: TransportConfig,
-    mailbox: Arc<Mailbox>,
     local: SocketAddr,
     size: AtomicU32,
     peers: RwLock<Vec<Option<SocketAddr>>>,
     out: Mutex<HashMap<Rank, Slot>>,
+    reader: Arc<Reader>,
     tasks: Mutex<Vec<AbortHandle>>,
     closed: AtomicBool,
 }
@@ -63,14 +64,16 @@ impl TcpTransport {
         std_listener.set_nonblocking(true).map_err(bind_err)?;
         let local = std_listener.local_addr().map_err(bind_err)?;
         let listener = TcpListener::from_std(std_listener).map_err(bind_err)?;
+        let reader = Reader::start(setup.identity.rank, setup.config.get_max_payload(), setup.mailbox.clone())
+            .map_err(|source| TransportError::Bind { transport: NAME, addr: host.to_string(), source })?;
         let inner = Arc::new(Inner {
             me: setup.identity,
             cfg: setup.config,
-            mailbox: setup.mailbox,
             local,
             size: AtomicU32::new(setup.size),
             peers: RwLock::new(Vec::new()),
             out: Mutex::new(HashMap::new()),
+            reader,
             tasks: Mutex::new(Vec::new()),
             closed: AtomicBool::new(false),
         });
@@ -114,67 +117,10 @@ async fn serve_inbound(inner: Arc<Inner>, mut stream: TcpStream, from: SocketAdd
         }
     };
     tracing::debug!("{me}: {peer} connected from {from}");
-    inner.mailbox.peer_connected(peer);
-    let end = read_frames(&inner, &mut stream, peer).await;
-    match end {
-        Ok(()) => inner.mailbox.peer_ended(peer, PeerEnd::Closed),
-        Err(e) => {
-            if !inner.closed.load(Ordering::Acquire) {
-                tracing::error!("{me}: connection from {peer} dropped: {e}");
-            }
-            inner.mailbox.peer_ended(peer, PeerEnd::Lost);
-        }
+    let added = stream.into_std().and_then(|s| inner.reader.add(peer, s));
+    if let Err(e) = added {
+        tracing::error!("{me}: cannot take the connection from {peer}: {e}");
     }
-}
-
-/// Reads frames until a goodbye (Ok) or an error (EOF without goodbye, bad frame).
-async fn read_frames(inner: &Inner, stream: &mut TcpStream, peer: Rank) -> Result<(), TransportError> {
-    let limits = FrameLimits { max_payload: inner.cfg.get_max_payload(), peer };
-    let io = |e| TransportError::io(peer, e);
-    let mut buf = BytesMut::with_capacity(READ_BUF);
-    loop {
-        fill(stream, &mut buf, HEADER_LEN).await.map_err(io)?;
-        let mut raw = [0u8; HEADER_LEN];
-        raw.copy_from_slice(&buf[..HEADER_LEN]);
-        let h = FrameHeader::decode(&raw, limits).map_err(|source| TransportError::Frame { peer, source })?;
-        buf.advance(HEADER_LEN);
-        if h.kind == FrameKind::Bye {
-            return Ok(());
-        }
-        // The length passed the cap check, which is far below usize::MAX.
-        let len = usize::try_from(h.len).map_err(|_| TransportError::Frame {
-            peer,
-            source: crate::error::FrameError::TooLarge { len: h.len, cap: limits.max_payload },
-        })?;
-        let payload = if len <= READ_BUF {
-            fill(stream, &mut buf, len).await.map_err(io)?;
-            buf.split_to(len).freeze()
-        } else {
-            let mut big = BytesMut::with_capacity(len);
-            big.extend_from_slice(&buf);
-            buf.clear();
-            while big.len() < len {
-                if stream.read_buf(&mut big).await.map_err(io)? == 0 {
-                    return Err(io(std::io::ErrorKind::UnexpectedEof.into()));
-                }
-            }
-            big.freeze()
-        };
-        inner.mailbox.deliver(Envelope { src: peer, ctx: h.ctx, tag: h.tag, payload });
-    }
-}
-
-/// Reads until `buf` holds at least `n` bytes.
-async fn fill(stream: &mut TcpStream, buf: &mut BytesMut, n: usize) -> std::io::Result<()> {
-    while buf.len() < n {
-        if buf.capacity() - buf.len() < READ_BUF / 2 {
-            buf.reserve(READ_BUF);
-        }
-        if stream.read_buf(buf).await? == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-    }
-    Ok(())
 }
 
 impl Inner {
@@ -260,6 +206,7 @@ impl Inner {
         for t in lock(&self.tasks).drain(..) {
             t.abort();
         }
+        self.reader.shutdown();
     }
 }
 
@@ -300,13 +247,27 @@ impl Transport for TcpTransport {
     fn close(&self) -> BoxFuture<'_, ()> {
         Box::pin(self.inner.close())
     }
+
+    fn progress(&self) -> bool {
+        self.inner.reader.progress()
+    }
+
+    fn poll_begin(&self) {
+        self.inner.reader.poll_begin();
+    }
+
+    fn poll_end(&self, parking: bool) {
+        self.inner.reader.poll_end(parking);
+    }
 }
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
-        // Local cleanup only: stop the progress tasks. Goodbyes are sent by close().
+        // Local cleanup only: stop the progress tasks and thread. Goodbyes are sent
+        // by close().
         for t in lock(&self.inner.tasks).drain(..) {
             t.abort();
         }
+        self.inner.reader.shutdown();
     }
 }

@@ -1,0 +1,289 @@
+//! The inbound side of the TCP backend: authenticated connections and the progress
+//! engine that reads them.
+//!
+//! Reading is done by whoever needs it, never by two at once (a lock per connection):
+//! - an application thread that waits for a message polls every connection itself
+//!   ([`Reader::progress`]), as MPI libraries do, so a message arriving while it spins
+//!   costs no thread wake-up;
+//! - otherwise the progress thread, blocked in `epoll` (mio), reads whatever arrives.
+//!
+//! While an application thread polls, the progress thread stands aside on a condition
+//! variable instead of waiting in `epoll`, so arriving data wakes nobody. Sockets are
+//! registered edge-triggered; whoever reads, reads until `WouldBlock`, and the progress
+//! thread takes the connection lock blockingly, so no data is ever left unread.
+
+use crate::error::{FrameError, TransportError};
+use crate::frame::{FrameHeader, FrameKind, FrameLimits, HEADER_LEN};
+use crate::ids::Rank;
+use crate::matching::{Envelope, Mailbox, PeerEnd};
+use bytes::{Buf, BufMut, BytesMut};
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token};
+use std::collections::HashMap;
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// Size of a connection's receive buffer for small frames; larger payloads are read
+/// straight into their own buffer.
+pub(super) const READ_BUF: usize = 64 * 1024;
+/// How often the progress thread re-checks for shutdown.
+const TICK: Duration = Duration::from_millis(100);
+/// How soon the progress thread resumes after application threads stopped polling
+/// without going to sleep (they went back to computing).
+const GATE_TICK: Duration = Duration::from_millis(1);
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every critical section leaves its data consistent, so a poisoned lock is usable.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// One authenticated inbound connection.
+struct Inbound {
+    peer: Rank,
+    stream: TcpStream,
+    ended: AtomicBool,
+    state: Mutex<ReadState>,
+}
+
+struct ReadState {
+    /// Bytes read but not yet delivered.
+    buf: BytesMut,
+    /// A large frame whose payload is read straight into its own buffer.
+    big: Option<(FrameHeader, BytesMut)>,
+    /// Bytes read so far (to tell a polling thread that data is flowing).
+    received: u64,
+}
+
+/// The inbound connections of one endpoint and their progress thread.
+pub(super) struct Reader {
+    me: Rank,
+    max_payload: u64,
+    mailbox: Arc<Mailbox>,
+    conns: Mutex<HashMap<Token, Arc<Inbound>>>,
+    next_token: AtomicUsize,
+    registry: mio::Registry,
+    polling: AtomicUsize,
+    gate: Mutex<()>,
+    resume: Condvar,
+    shutdown: AtomicBool,
+}
+
+impl Reader {
+    /// Creates the reader and starts its progress thread.
+    pub(super) fn start(me: Rank, max_payload: u64, mailbox: Arc<Mailbox>) -> std::io::Result<Arc<Self>> {
+        let poll = Poll::new()?;
+        let registry = poll.registry().try_clone()?;
+        let reader = Arc::new(Self {
+            me,
+            max_payload,
+            mailbox,
+            conns: Mutex::new(HashMap::new()),
+            next_token: AtomicUsize::new(0),
+            registry,
+            polling: AtomicUsize::new(0),
+            gate: Mutex::new(()),
+            resume: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+        });
+        let r = reader.clone();
+        std::thread::Builder::new().name("ductile-tcp-progress".into()).spawn(move || r.run(poll))?;
+        Ok(reader)
+    }
+
+    /// Adds an authenticated connection (non-blocking socket).
+    pub(super) fn add(&self, peer: Rank, stream: TcpStream) -> std::io::Result<()> {
+        stream.set_nonblocking(true)?;
+        let token = Token(self.next_token.fetch_add(1, Ordering::Relaxed));
+        let conn = Arc::new(Inbound {
+            peer,
+            stream,
+            ended: AtomicBool::new(false),
+            state: Mutex::new(ReadState { buf: BytesMut::with_capacity(READ_BUF), big: None, received: 0 }),
+        });
+        self.mailbox.peer_connected(peer);
+        lock(&self.conns).insert(token, conn.clone());
+        self.registry.register(&mut SourceFd(&conn.stream.as_raw_fd()), token, Interest::READABLE)?;
+        // Data that arrived before registration raised no edge: read it now.
+        let mut st = lock(&conn.state);
+        self.drain(&conn, &mut st);
+        Ok(())
+    }
+
+    /// Stops the progress thread (within [`TICK`]).
+    pub(super) fn shutdown(&self) {
+        self.shutdown.store(true, Ordering::Release);
+        let _g = lock(&self.gate);
+        self.resume.notify_all();
+    }
+
+    /// Reads every connection that no one else is reading; never blocks. True if any
+    /// bytes arrived.
+    pub(super) fn progress(&self) -> bool {
+        let mut conns = lock(&self.conns);
+        let mut ended = false;
+        let mut read = false;
+        for conn in conns.values() {
+            if let Ok(mut st) = conn.state.try_lock() {
+                let before = st.received;
+                ended |= self.drain(conn, &mut st);
+                read |= st.received != before;
+            }
+        }
+        if ended {
+            // Closing the socket (the last reference) also removes it from epoll.
+            conns.retain(|_, c| !c.ended.load(Ordering::Acquire));
+        }
+        read
+    }
+
+    /// An application thread starts polling: the progress thread stands aside.
+    pub(super) fn poll_begin(&self) {
+        self.polling.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The polling thread stops, and whatever arrived meanwhile is read now. If it is
+    /// about to sleep (`parking`), the progress thread resumes at once; otherwise it
+    /// resumes at its next [`GATE_TICK`] unless polling has started again by then, so
+    /// a ping-pong of blocking calls never wakes it.
+    pub(super) fn poll_end(&self, parking: bool) {
+        if self.polling.fetch_sub(1, Ordering::AcqRel) == 1 && parking {
+            let _g = lock(&self.gate);
+            self.resume.notify_all();
+        }
+        let _ = self.progress();
+    }
+
+    fn run(&self, mut poll: Poll) {
+        let mut events = Events::with_capacity(64);
+        while !self.shutdown.load(Ordering::Acquire) {
+            {
+                let mut g = lock(&self.gate);
+                while self.polling.load(Ordering::Acquire) > 0 && !self.shutdown.load(Ordering::Acquire) {
+                    g = self.resume.wait_timeout(g, GATE_TICK).unwrap_or_else(std::sync::PoisonError::into_inner).0;
+                }
+            }
+            if let Err(e) = poll.poll(&mut events, Some(TICK)) {
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    tracing::error!("{}: tcp progress: poll failed: {e}", self.me);
+                    std::thread::sleep(TICK);
+                }
+                continue;
+            }
+            for ev in &events {
+                let conn = lock(&self.conns).get(&ev.token()).cloned();
+                if let Some(conn) = conn {
+                    let mut st = lock(&conn.state);
+                    if self.drain(&conn, &mut st) {
+                        drop(st);
+                        let _ = self.registry.deregister(&mut SourceFd(&conn.stream.as_raw_fd()));
+                        lock(&self.conns).remove(&ev.token());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Delivers every complete frame in `st`; `Ok(true)` on a goodbye.
+    fn parse(&self, peer: Rank, st: &mut ReadState) -> Result<bool, TransportError> {
+        let limits = FrameLimits { max_payload: self.max_payload, peer };
+        loop {
+            if let Some((h, big)) = &st.big {
+                if (big.len() as u64) < h.len {
+                    return Ok(false);
+                }
+                let (h, big) = st.big.take().expect("checked just above");
+                self.mailbox.deliver(Envelope { src: peer, ctx: h.ctx, tag: h.tag, payload: big.freeze() });
+                continue;
+            }
+            if st.buf.len() < HEADER_LEN {
+                return Ok(false);
+            }
+            let mut raw = [0u8; HEADER_LEN];
+            raw.copy_from_slice(&st.buf[..HEADER_LEN]);
+            let h = FrameHeader::decode(&raw, limits).map_err(|source| TransportError::Frame { peer, source })?;
+            if h.kind == FrameKind::Bye {
+                return Ok(true);
+            }
+            // The length passed the cap check; a cap beyond the address space is refused.
+            let len = usize::try_from(h.len).map_err(|_| TransportError::Frame {
+                peer,
+                source: FrameError::TooLarge { len: h.len, cap: limits.max_payload },
+            })?;
+            if len <= READ_BUF {
+                if st.buf.len() < HEADER_LEN + len {
+                    return Ok(false);
+                }
+                st.buf.advance(HEADER_LEN);
+                let payload = st.buf.split_to(len).freeze();
+                self.mailbox.deliver(Envelope { src: peer, ctx: h.ctx, tag: h.tag, payload });
+            } else {
+                st.buf.advance(HEADER_LEN);
+                let mut big = BytesMut::with_capacity(len);
+                let take = st.buf.len().min(len);
+                big.extend_from_slice(&st.buf[..take]);
+                st.buf.advance(take);
+                st.big = Some((h, big));
+            }
+        }
+    }
+
+    /// Reads until `WouldBlock`, delivering complete frames. True once the connection
+    /// has ended (goodbye, error, or bad frame).
+    fn drain(&self, conn: &Inbound, st: &mut ReadState) -> bool {
+        if conn.ended.load(Ordering::Acquire) {
+            return true;
+        }
+        let fd = conn.stream.as_raw_fd();
+        loop {
+            match self.parse(conn.peer, st) {
+                Ok(false) => {}
+                Ok(true) => return self.end(conn, st, Ok(())),
+                Err(e) => return self.end(conn, st, Err(e)),
+            }
+            let read = match &mut st.big {
+                Some((h, big)) => {
+                    let want = usize::try_from(h.len).unwrap_or(usize::MAX) - big.len();
+                    crate::sys::recv_nonblocking(fd, &mut big.limit(want))
+                }
+                None => {
+                    if st.buf.capacity() - st.buf.len() < READ_BUF / 2 {
+                        st.buf.reserve(READ_BUF);
+                    }
+                    crate::sys::recv_nonblocking(fd, &mut st.buf)
+                }
+            };
+            match read {
+                Ok(0) => {
+                    let eof = TransportError::io(conn.peer, std::io::ErrorKind::UnexpectedEof.into());
+                    return self.end(conn, st, Err(eof));
+                }
+                Ok(n) => st.received += n as u64,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return self.end(conn, st, Err(TransportError::io(conn.peer, e))),
+            }
+        }
+    }
+
+    /// Marks a connection ended and tells the mailbox; returns true.
+    fn end(&self, conn: &Inbound, st: &mut ReadState, how: Result<(), TransportError>) -> bool {
+        if conn.ended.swap(true, Ordering::AcqRel) {
+            return true;
+        }
+        st.buf.clear();
+        st.big = None;
+        match how {
+            Ok(()) => self.mailbox.peer_ended(conn.peer, PeerEnd::Closed),
+            Err(e) => {
+                if !self.shutdown.load(Ordering::Acquire) {
+                    tracing::error!("{}: connection from {} dropped: {e}", self.me, conn.peer);
+                }
+                self.mailbox.peer_ended(conn.peer, PeerEnd::Lost);
+            }
+        }
+        true
+    }
+}
