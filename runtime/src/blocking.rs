@@ -119,7 +119,7 @@ fn spin_wait(flag: &Flag, spin: Duration, progress: &impl Progress) -> bool {
         if flag.woken.swap(false, Ordering::Acquire) {
             return true;
         }
-        if start.elapsed() >= spin {
+        if rounds.is_multiple_of(8) && start.elapsed() >= spin {
             return false;
         }
         if progress.poll() {

@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 /// Default spin time of a blocking wait, µs.
-pub const DEFAULT_SPIN_US: u64 = 100;
+pub const DEFAULT_SPIN_US: u64 = 1000;
 /// Default number of progress threads.
 pub const DEFAULT_THREADS: usize = 1;
 /// Default timeout of every wait, seconds.

@@ -220,7 +220,7 @@ impl Group {
         let core = &self.inner.core;
         let deadline = Instant::now() + core.timeout;
         let ep = &core.endpoint;
-        match crate::blocking::block_on(&self.handle, self.spin, deadline, ep, f) {
+        match ep.blocking_call(|| crate::blocking::block_on(&self.handle, self.spin, deadline, ep, f)) {
             Some(r) => r,
             None => {
                 let waited = core.waiting_for.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();

@@ -76,6 +76,25 @@ pub trait Transport: Send + Sync + 'static {
     fn poll_end(&self, parking: bool) {
         let _ = parking;
     }
+    /// A blocking call on this thread ended: data it left for its own polling to move
+    /// is handed to the backend's progress tasks.
+    fn call_end(&self) {}
+}
+
+thread_local! {
+    static POLLS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the calling thread as one that polls the transport until its current blocking
+/// call ends (set by the runtime's blocking executor around each call).
+pub fn set_thread_polls(on: bool) {
+    POLLS.with(|p| p.set(on));
+}
+
+/// Whether the calling thread polls the transport until its current call ends.
+#[must_use]
+pub fn thread_polls() -> bool {
+    POLLS.with(std::cell::Cell::get)
 }
 
 /// What a backend needs to bind.
@@ -151,6 +170,19 @@ impl Endpoint {
     /// See [`Transport::poll_begin`].
     pub fn poll_begin(&self) {
         self.transport.poll_begin();
+    }
+
+    /// Runs `f` as a blocking call of this thread: the thread polls until `f` returns
+    /// (see [`thread_polls`]); afterwards queued work goes to the progress tasks.
+    pub fn blocking_call<R>(&self, f: impl FnOnce() -> R) -> R {
+        let outer = thread_polls();
+        set_thread_polls(true);
+        let r = f();
+        set_thread_polls(outer);
+        if !outer {
+            self.transport.call_end();
+        }
+        r
     }
 
     /// See [`Transport::poll_end`].

@@ -22,9 +22,9 @@ use mio::{Events, Interest, Poll, Token};
 use std::collections::HashMap;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Size of a connection's receive buffer for small frames; larger payloads are read
 /// straight into their own buffer.
@@ -66,6 +66,11 @@ pub(super) struct Reader {
     next_token: AtomicUsize,
     registry: mio::Registry,
     polling: AtomicUsize,
+    /// When polling last stopped without the thread going to sleep, in ns since `epoch`.
+    last_poll_end: AtomicU64,
+    /// A polling thread went to sleep: the progress thread must resume now.
+    wake_now: AtomicBool,
+    epoch: Instant,
     gate: Mutex<()>,
     resume: Condvar,
     shutdown: AtomicBool,
@@ -84,6 +89,9 @@ impl Reader {
             next_token: AtomicUsize::new(0),
             registry,
             polling: AtomicUsize::new(0),
+            last_poll_end: AtomicU64::new(0),
+            wake_now: AtomicBool::new(false),
+            epoch: Instant::now(),
             gate: Mutex::new(()),
             resume: Condvar::new(),
             shutdown: AtomicBool::new(false),
@@ -145,15 +153,36 @@ impl Reader {
     }
 
     /// The polling thread stops, and whatever arrived meanwhile is read now. If it is
-    /// about to sleep (`parking`), the progress thread resumes at once; otherwise it
-    /// resumes at its next [`GATE_TICK`] unless polling has started again by then, so
-    /// a ping-pong of blocking calls never wakes it.
+    /// about to sleep (`parking`), the progress thread resumes at once; otherwise only
+    /// once no thread has polled for [`GATE_TICK`], so a ping-pong of blocking calls
+    /// never wakes it.
     pub(super) fn poll_end(&self, parking: bool) {
-        if self.polling.fetch_sub(1, Ordering::AcqRel) == 1 && parking {
+        let last = self.polling.fetch_sub(1, Ordering::AcqRel) == 1;
+        if last && parking {
+            self.wake_now.store(true, Ordering::Release);
             let _g = lock(&self.gate);
             self.resume.notify_all();
+        } else if last {
+            self.last_poll_end.store(self.since_epoch(), Ordering::Release);
         }
         let _ = self.progress();
+    }
+
+    fn since_epoch(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Whether the progress thread should stay aside: a thread polls, or one stopped
+    /// polling less than [`GATE_TICK`] ago and is likely to poll again soon.
+    fn stand_aside(&self) -> bool {
+        if self.shutdown.load(Ordering::Acquire) || self.wake_now.swap(false, Ordering::AcqRel) {
+            return false;
+        }
+        if self.polling.load(Ordering::Acquire) > 0 {
+            return true;
+        }
+        let idle = self.since_epoch().saturating_sub(self.last_poll_end.load(Ordering::Acquire));
+        idle < GATE_TICK.as_nanos() as u64
     }
 
     fn run(&self, mut poll: Poll) {
@@ -161,7 +190,7 @@ impl Reader {
         while !self.shutdown.load(Ordering::Acquire) {
             {
                 let mut g = lock(&self.gate);
-                while self.polling.load(Ordering::Acquire) > 0 && !self.shutdown.load(Ordering::Acquire) {
+                while self.stand_aside() {
                     g = self.resume.wait_timeout(g, GATE_TICK).unwrap_or_else(std::sync::PoisonError::into_inner).0;
                 }
             }

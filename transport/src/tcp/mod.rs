@@ -12,27 +12,23 @@
 use crate::auth::{self, HandshakeError, Identity};
 use crate::config::TransportConfig;
 use crate::error::TransportError;
-use crate::frame::{FrameHeader, HEADER_LEN};
+use crate::frame::FrameHeader;
 use crate::ids::{Context, Rank, Tag};
 use crate::transport::{BoxFuture, Capabilities, EndpointAddr, Transport, TransportSetup};
 use bytes::Bytes;
 use inbound::Reader;
+use outbound::Outbound;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
 
 mod inbound;
+mod outbound;
 
 const NAME: &str = "tcp";
-/// Payloads up to this size are copied behind the header and written with one call.
-const COALESCE_MAX: usize = 16 * 1024;
-
-type Slot = Arc<tokio::sync::Mutex<Option<OwnedWriteHalf>>>;
 
 struct Inner {
     me: Identity,
@@ -40,7 +36,8 @@ struct Inner {
     local: SocketAddr,
     size: AtomicU32,
     peers: RwLock<Vec<Option<SocketAddr>>>,
-    out: Mutex<HashMap<Rank, Slot>>,
+    out: Mutex<HashMap<Rank, Arc<Outbound>>>,
+    connecting: Mutex<HashMap<Rank, Arc<tokio::sync::Mutex<()>>>>,
     reader: Arc<Reader>,
     tasks: Mutex<Vec<AbortHandle>>,
     closed: AtomicBool,
@@ -73,6 +70,7 @@ impl TcpTransport {
             size: AtomicU32::new(setup.size),
             peers: RwLock::new(Vec::new()),
             out: Mutex::new(HashMap::new()),
+            connecting: Mutex::new(HashMap::new()),
             reader,
             tasks: Mutex::new(Vec::new()),
             closed: AtomicBool::new(false),
@@ -124,11 +122,24 @@ async fn serve_inbound(inner: Arc<Inner>, mut stream: TcpStream, from: SocketAdd
 }
 
 impl Inner {
-    fn slot(&self, dst: Rank) -> Slot {
-        lock(&self.out).entry(dst).or_default().clone()
+    /// The connection to `dst`, opened (and authenticated) on first use.
+    async fn outbound(&self, dst: Rank) -> Result<Arc<Outbound>, TransportError> {
+        if let Some(o) = lock(&self.out).get(&dst) {
+            return Ok(o.clone());
+        }
+        let gate = lock(&self.connecting).entry(dst).or_default().clone();
+        let _held = gate.lock().await;
+        if let Some(o) = lock(&self.out).get(&dst) {
+            return Ok(o.clone());
+        }
+        let o = self.connect(dst).await?;
+        let task = tokio::spawn(o.clone().writer());
+        lock(&self.tasks).push(task.abort_handle());
+        lock(&self.out).insert(dst, o.clone());
+        Ok(o)
     }
 
-    async fn connect(&self, dst: Rank) -> Result<OwnedWriteHalf, TransportError> {
+    async fn connect(&self, dst: Rank) -> Result<Arc<Outbound>, TransportError> {
         let addr = {
             let peers = self.peers.read().unwrap_or_else(std::sync::PoisonError::into_inner);
             peers.get(dst.index()).copied().flatten().ok_or(TransportError::UnknownPeer(dst))?
@@ -145,8 +156,8 @@ impl Inner {
             HandshakeError::Auth(source) => TransportError::Auth { peer: dst, source },
             HandshakeError::Io(e) => TransportError::io(dst, e),
         })?;
-        let (_read, write) = stream.into_split();
-        Ok(write)
+        let std_stream = stream.into_std().map_err(|e| TransportError::io(dst, e))?;
+        Outbound::new(dst, std_stream).map_err(|e| TransportError::io(dst, e))
     }
 
     async fn send(&self, dst: Rank, ctx: Context, tag: Tag, payload: Bytes) -> Result<(), TransportError> {
@@ -157,51 +168,40 @@ impl Inner {
         if payload.len() as u64 > cap {
             return Err(TransportError::MessageTooLarge { peer: dst, len: payload.len(), cap });
         }
-        let slot = self.slot(dst);
-        let mut guard = slot.lock().await;
-        if guard.is_none() {
-            *guard = Some(self.connect(dst).await?);
-        }
-        let Some(w) = guard.as_mut() else { return Err(TransportError::Closed) };
+        let out = self.outbound(dst).await?;
         let header = FrameHeader::data(self.me.rank, ctx, tag, payload.len() as u64).encode();
-        let res = if payload.len() <= COALESCE_MAX {
-            let mut frame = Vec::with_capacity(HEADER_LEN + payload.len());
-            frame.extend_from_slice(&header);
-            frame.extend_from_slice(&payload);
-            w.write_all(&frame).await
-        } else {
-            match w.write_all(&header).await {
-                Ok(()) => w.write_all(&payload).await,
-                Err(e) => Err(e),
-            }
-        };
-        if let Err(e) = res {
-            *guard = None;
-            return Err(TransportError::io(dst, e));
+        let res = out.send(header, payload).await;
+        if res.is_err() && out.failed() {
+            // The next send to this peer opens a fresh connection.
+            lock(&self.out).remove(&dst);
         }
-        Ok(())
+        res
+    }
+
+    /// Flushes queued output and reads input on the calling thread.
+    fn progress(&self) -> bool {
+        let mut moved = self.reader.progress();
+        for o in lock(&self.out).values() {
+            moved |= o.flush();
+        }
+        moved
+    }
+
+    fn wake_writers(&self) {
+        for o in lock(&self.out).values() {
+            o.wake_writer();
+        }
     }
 
     async fn close(&self) {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
-        let slots: Vec<(Rank, Slot)> = lock(&self.out).drain().collect();
-        for (dst, slot) in slots {
-            let mut guard = slot.lock().await;
-            if let Some(mut w) = guard.take() {
-                let bye = FrameHeader::bye(self.me.rank).encode();
-                let t = self.cfg.get_handshake_timeout();
-                let done = tokio::time::timeout(t, async {
-                    w.write_all(&bye).await?;
-                    w.shutdown().await
-                });
-                match done.await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::debug!("goodbye to {dst} failed: {e}"),
-                    Err(_) => tracing::debug!("goodbye to {dst} timed out"),
-                }
-            }
+        let outs: Vec<Arc<Outbound>> = lock(&self.out).drain().map(|(_, o)| o).collect();
+        let bye = FrameHeader::bye(self.me.rank).encode();
+        let limit = self.cfg.get_handshake_timeout();
+        for o in &outs {
+            o.finish(bye, limit).await;
         }
         for t in lock(&self.tasks).drain(..) {
             t.abort();
@@ -249,7 +249,7 @@ impl Transport for TcpTransport {
     }
 
     fn progress(&self) -> bool {
-        self.inner.reader.progress()
+        self.inner.progress()
     }
 
     fn poll_begin(&self) {
@@ -258,6 +258,13 @@ impl Transport for TcpTransport {
 
     fn poll_end(&self, parking: bool) {
         self.inner.reader.poll_end(parking);
+        if parking {
+            self.inner.wake_writers();
+        }
+    }
+
+    fn call_end(&self) {
+        self.inner.wake_writers();
     }
 }
 
