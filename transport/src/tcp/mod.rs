@@ -7,7 +7,11 @@
 //! ([`crate::auth`]); accepting and authenticating runs on tokio. Authenticated inbound
 //! connections are read by the [`inbound`] progress engine, which validates frames
 //! ([`crate::frame`]) and delivers messages into the mailbox; a bad frame or a failed
-//! handshake closes that connection only, with a logged error.
+//! handshake closes that connection only, with a logged error. Sends go through the
+//! per-peer queues of [`outbound`]. A thread waiting in a blocking call moves both
+//! directions itself ([`Transport::progress`]), so data keeps flowing without waking
+//! other threads; the progress thread and writer tasks take over when it sleeps or
+//! goes back to computing.
 
 use crate::auth::{self, HandshakeError, Identity};
 use crate::config::TransportConfig;
