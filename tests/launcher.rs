@@ -31,6 +31,16 @@ fn tmp(name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("ductile-test-{}-{name}", std::process::id()))
 }
 
+/// `ductile run` of the fault example on 4 ranks over 2 nodes.
+fn fault_job(timeout: Option<u32>, report: &std::path::Path, args: &[&str]) -> Command {
+    let mut c = ductile(&["run", "-n", "4", "--nodes", "2", "--report", report.to_str().unwrap()]);
+    if let Some(t) = timeout {
+        c.args(["--timeout", &t.to_string()]);
+    }
+    c.arg("--").arg(ex("fault")).args(args);
+    c
+}
+
 /// Every pid in a report is gone (a zombie waiting for init to reap it counts as gone).
 fn assert_no_survivors(report: &std::path::Path) {
     let text = std::fs::read_to_string(report).expect("report written");
@@ -81,22 +91,7 @@ fn hello_ring_and_allreduce_over_1_to_4_nodes() {
 fn a_failing_rank_ends_the_job_with_its_code_and_leaves_nothing() {
     let report = tmp("fail.json");
     let start = Instant::now();
-    let out = run(&[
-        "run",
-        "-n",
-        "4",
-        "--nodes",
-        "2",
-        "--timeout",
-        "30",
-        "--report",
-        report.to_str().unwrap(),
-        "--",
-        &ex("fault"),
-        "exit",
-        "2",
-        "3",
-    ]);
+    let out = fault_job(Some(30), &report, &["exit", "2", "3"]).output().unwrap();
     assert_eq!(out.status.code(), Some(3), "{out:?}");
     assert!(start.elapsed() < Duration::from_secs(20));
     assert!(String::from_utf8_lossy(&out.stderr).contains("rank 2 on node 1 exited with code 3"));
@@ -107,29 +102,12 @@ fn a_failing_rank_ends_the_job_with_its_code_and_leaves_nothing() {
 #[test]
 fn timeout_and_ctrl_c_end_the_whole_job() {
     let report = tmp("timeout.json");
-    let out = run(&[
-        "run",
-        "-n",
-        "4",
-        "--nodes",
-        "2",
-        "--timeout",
-        "2",
-        "--report",
-        report.to_str().unwrap(),
-        "--",
-        &ex("fault"),
-        "hang",
-    ]);
+    let out = fault_job(Some(2), &report, &["hang"]).output().unwrap();
     assert_eq!(out.status.code(), Some(124), "{out:?}");
     assert_no_survivors(&report);
 
     let report = tmp("sigint.json");
-    let mut child =
-        ductile(&["run", "-n", "4", "--nodes", "2", "--report", report.to_str().unwrap(), "--", &ex("fault"), "hang"])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
+    let mut child = fault_job(None, &report, &["hang"]).stdout(Stdio::piped()).spawn().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     for _ in 0..4 {
         assert!(lines.next().unwrap().unwrap().contains("waiting"));
