@@ -117,9 +117,9 @@ async fn fence(
     rx: &mut OwnedReadHalf,
     tx: &mut OwnedWriteHalf,
 ) -> anyhow::Result<()> {
-    // A little shorter than the controller's own limit, so that the precise reason
-    // (which rank did not join) is what the user sees.
-    let t = Duration::from_millis((h.timeout_ms / 5 * 4).clamp(1, 60_000));
+    // The controller sets this a little shorter than its own limit, so that the
+    // precise reason (which rank did not join) is what the user sees.
+    let t = Duration::from_millis(h.join_timeout_ms.max(1));
     let mut started = Vec::with_capacity(h.ranks.len());
     for (i, &rank) in h.ranks.iter().enumerate() {
         let ready = tokio::select! {

@@ -41,7 +41,7 @@ pub struct RunArgs {
     /// Prefix every output line with `[rank]`.
     #[arg(long)]
     pub tag_output: bool,
-    /// End the job after this many seconds (exit code 124); also bounds every wait inside ranks.
+    /// End the job after this many seconds (exit code 124); waits inside ranks are bounded by it too (plus 10 s).
     #[arg(long, value_name = "SECS")]
     pub timeout: Option<u64>,
     /// Write a JSON report of the job here.

@@ -18,6 +18,8 @@ use tokio::sync::mpsc;
 
 /// Default timeout of every wait inside ranks, when `--timeout` is not given.
 pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(300);
+/// How much longer than `--timeout` the waits inside ranks are bounded.
+pub const WAIT_MARGIN: Duration = Duration::from_secs(10);
 /// Longest time the start-up fence may take.
 pub const MAX_FENCE: Duration = Duration::from_secs(60);
 /// Time agents get to end their node worlds before their process groups are killed.
@@ -94,7 +96,10 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     let started = Instant::now();
     let job = JobId::random()?;
     let key = JobKey::random()?;
-    let wait_timeout = spec.timeout.unwrap_or(DEFAULT_WAIT_TIMEOUT);
+    // Ranks' waits outlast the job's own limit a little, so that when --timeout ends
+    // the job, the controller's message (not a rank's timeout) says why.
+    let wait_timeout = spec.timeout.map_or(DEFAULT_WAIT_TIMEOUT, |t| t + WAIT_MARGIN);
+    let fence_limit = spec.timeout.unwrap_or(DEFAULT_WAIT_TIMEOUT).min(MAX_FENCE);
     let deadline = spec.timeout.map(|t| tokio::time::Instant::now() + t);
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
@@ -120,6 +125,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
             args: spec.args.clone(),
             transport: spec.transport.clone(),
             timeout_ms: u64::try_from(wait_timeout.as_millis()).unwrap_or(u64::MAX),
+            join_timeout_ms: u64::try_from(fence_limit.as_millis()).unwrap_or(u64::MAX) / 5 * 4,
             tag_output: spec.tag_output,
         };
         nonblocking::write_msg(&mut tx, &ToAgent::Handoff(handoff)).await?;
@@ -148,7 +154,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     drop(ev_tx);
     tracing::info!("job {job}: {} ranks on {nodes} nodes", spec.layout.size());
 
-    let fence_deadline = tokio::time::Instant::now() + wait_timeout.min(MAX_FENCE);
+    let fence_deadline = tokio::time::Instant::now() + fence_limit;
     let mut ready = 0;
     let mut ending: Option<Ending> = None;
     let mut table_sent = false;
@@ -205,7 +211,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
             () = sleep => ending = Some(match (table_sent, spec.timeout) {
                 (true, Some(t)) => Ending::Timeout(t),
                 (false, Some(t)) if deadline.is_some_and(|d| d <= tokio::time::Instant::now()) => Ending::Timeout(t),
-                _ => Ending::Node(first_not_ready(&agents), format!("did not start within {:?}", wait_timeout.min(MAX_FENCE))),
+                _ => Ending::Node(first_not_ready(&agents), format!("did not start within {fence_limit:?}")),
             }),
         }
     }

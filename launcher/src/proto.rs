@@ -31,8 +31,10 @@ pub struct AgentHandoff {
     pub args: Vec<String>,
     /// Transport backend.
     pub transport: String,
-    /// Timeout of every wait, ms.
+    /// Timeout of every wait inside ranks, ms.
     pub timeout_ms: u64,
+    /// Time each rank has to join the job (bind and report its address), ms.
+    pub join_timeout_ms: u64,
     /// Prefix output lines with `[rank]`.
     pub tag_output: bool,
 }
