@@ -13,6 +13,7 @@ pub mod cli;
 pub mod controller;
 pub mod layout;
 pub mod output;
+pub mod plan;
 pub mod proto;
 pub mod report;
 pub mod spawn;
