@@ -14,6 +14,7 @@ pub mod controller;
 pub mod layout;
 pub mod output;
 pub mod plan;
+pub mod policy;
 pub mod proto;
 pub mod report;
 pub mod spawn;
