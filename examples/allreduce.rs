@@ -25,6 +25,15 @@ fn main() -> anyhow::Result<()> {
     if max[0] != p - 1 {
         bail!("rank {r}: max rank is {}, expected {}", max[0], p - 1);
     }
+    // The same over a group built from a process set: every rank but 0.
+    let rest = session.pset("world")?.difference(&ductile::ProcessSet::own(0, 0))?;
+    if r != 0 {
+        let g = session.group(&rest)?;
+        let s = g.allreduce(&[r], ReduceOp::Sum)?;
+        if s[0] != p * (p - 1) / 2 {
+            bail!("rank {r}: sum over {} is {}, expected {}", rest, s[0], p * (p - 1) / 2);
+        }
+    }
     let total: u64 = sum.iter().sum();
     if r == 0 {
         println!("allreduce over {p} ranks of {n} elements: correct; total {total}");

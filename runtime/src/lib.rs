@@ -31,6 +31,7 @@ pub mod env;
 mod error;
 mod group;
 mod pod;
+pub mod pset;
 mod reduce;
 mod session;
 
@@ -38,6 +39,7 @@ pub use collectives::{PIPELINE_MIN, RING_MIN, SEGMENT};
 pub use ductile_transport::{JobId, NodeId};
 pub use error::{Error, Result};
 pub use group::{AsyncGroup, Group, Status};
+pub use pset::ProcessSet;
 pub use reduce::{ReduceOp, Reducible};
 pub use session::{init, JobInfo, Session};
 pub use {bytemuck, bytes};

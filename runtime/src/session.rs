@@ -4,6 +4,7 @@ use crate::bootstrap::{self, FromRank, RankHandoff, ToRank, HANDOFF_VERSION};
 use crate::env::EnvSettings;
 use crate::error::{Error, Result};
 use crate::group::{AsyncGroup, Group};
+use crate::pset::ProcessSet;
 use ductile_transport::auth::Identity;
 use ductile_transport::{Context, Endpoint, JobId, JobKey, Mailbox, NodeId, Rank, TransportConfig, TransportSetup};
 use std::os::unix::net::UnixStream;
@@ -31,6 +32,8 @@ pub struct JobInfo {
 /// [`Session::finalize`].
 pub struct Session {
     world: Group,
+    spin: Duration,
+    timeout: Duration,
     info: JobInfo,
     endpoint: Endpoint,
     control: Option<UnixStream>,
@@ -38,6 +41,27 @@ pub struct Session {
 }
 
 static TAKEN: AtomicBool = AtomicBool::new(false);
+
+/// The membership epoch (changes with reconfigurations).
+const EPOCH: u64 = 0;
+
+/// The context of a group built from a process set: FNV-1a over the epoch and ranks,
+/// with the top bit set so it never equals the world's context 0. Every member derives
+/// the same value on its own; distinct sets collide with probability 2^-31.
+fn set_context(set: &ProcessSet) -> Context {
+    let mut h: u32 = 0x811c_9dc5;
+    let mut eat = |bytes: &[u8]| {
+        for b in bytes {
+            h ^= u32::from(*b);
+            h = h.wrapping_mul(0x0100_0193);
+        }
+    };
+    eat(&set.epoch().to_le_bytes());
+    for r in set.ranks() {
+        eat(&r.to_le_bytes());
+    }
+    Context(h | 0x8000_0000)
+}
 
 /// Joins the job this process was launched into, or, when started without the launcher,
 /// forms a job of one rank (like MPI's singleton init).
@@ -168,13 +192,52 @@ impl Session {
         let world = Group::new(world, rt.handle().clone(), env.spin);
         let info = JobInfo { job: h.job, node: h.node, nodes: h.nodes, launched, transport: h.transport };
         tracing::debug!("{} of {} joined job {} on {}", h.rank, h.size, h.job, h.node);
-        Ok(Self { world, info, endpoint, control, rt: Some(rt) })
+        Ok(Self { world, spin: env.spin, timeout, info, endpoint, control, rt: Some(rt) })
     }
 
     /// The group of every process in the job.
     #[must_use]
     pub fn world(&self) -> &Group {
         &self.world
+    }
+
+    /// A named process set of the current membership: `world` or `self`.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// An unknown name.
+    pub fn pset(&self, name: &str) -> Result<ProcessSet> {
+        let (rank, size) = (self.world.rank() as u32, self.world.size() as u32);
+        match name {
+            "world" => Ok(ProcessSet::world(EPOCH, size)),
+            "self" => Ok(ProcessSet::own(EPOCH, rank)),
+            other => Err(Error::Invalid(format!("unknown process set {other:?} (known: world, self)"))),
+        }
+    }
+
+    /// A group of the ranks of `set`, ordered by rank, with a context of its own.
+    ///
+    /// # Local
+    /// Every member builds the same group independently: the context is derived from
+    /// the set's epoch and ranks.
+    ///
+    /// # Errors
+    /// The set is of another epoch, or this process is not in it.
+    pub fn group(&self, set: &ProcessSet) -> Result<Group> {
+        if set.epoch() != EPOCH {
+            return Err(Error::Invalid(format!("{set} is not of the current membership")));
+        }
+        let me = self.endpoint.rank();
+        let members: Vec<Rank> = set.ranks().map(Rank).collect();
+        let pos = members
+            .iter()
+            .position(|r| *r == me)
+            .ok_or_else(|| Error::Invalid(format!("this process ({me}) is not in {set}")))?;
+        let g = AsyncGroup::new(self.endpoint.clone(), set_context(set), members, pos, self.timeout)?;
+        let handle =
+            self.rt.as_ref().map(|rt| rt.handle().clone()).ok_or(Error::Invalid("session is closed".into()))?;
+        Ok(Group::new(g, handle, self.spin))
     }
 
     /// The address this process's endpoint listens on (for diagnostics and tests).
@@ -219,5 +282,20 @@ impl Drop for Session {
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_contexts_are_deterministic_distinct_and_never_the_worlds() {
+        let a = ProcessSet::new("a", 0, [1, 2, 3]);
+        let same = ProcessSet::new("renamed", 0, [3, 2, 1]);
+        assert_eq!(set_context(&a), set_context(&same));
+        assert_ne!(set_context(&a), set_context(&ProcessSet::new("b", 0, [1, 2])));
+        assert_ne!(set_context(&a), set_context(&ProcessSet::new("a", 1, [1, 2, 3])));
+        assert!(set_context(&ProcessSet::world(0, 4)).0 >= 0x8000_0000);
     }
 }
