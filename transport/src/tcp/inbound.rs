@@ -12,6 +12,7 @@
 //! registered edge-triggered; whoever reads, reads until `WouldBlock`, and the progress
 //! thread takes the connection lock blockingly, so no data is ever left unread.
 
+use super::lock;
 use crate::error::{FrameError, TransportError};
 use crate::frame::{FrameHeader, FrameKind, FrameLimits, HEADER_LEN};
 use crate::ids::Rank;
@@ -34,11 +35,6 @@ const TICK: Duration = Duration::from_millis(100);
 /// How soon the progress thread resumes after application threads stopped polling
 /// without going to sleep (they went back to computing).
 const GATE_TICK: Duration = Duration::from_millis(1);
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Every critical section leaves its data consistent, so a poisoned lock is usable.
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 /// One authenticated inbound connection.
 struct Inbound {

@@ -85,7 +85,7 @@ impl TcpTransport {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Every critical section here leaves the data consistent, so a poisoned lock
     // (a panic elsewhere while holding it) is safe to keep using.
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)

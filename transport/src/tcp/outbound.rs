@@ -12,6 +12,7 @@
 //! may reuse nothing it could corrupt); it waits while more than [`HIGH_WATER`] bytes
 //! are queued, so a fast sender cannot exhaust memory.
 
+use super::lock;
 use crate::error::TransportError;
 use crate::frame::HEADER_LEN;
 use crate::ids::Rank;
@@ -33,11 +34,6 @@ pub(super) const HIGH_WATER: usize = 16 << 20;
 const FULL_BACKOFF: u32 = 8;
 /// Most buffers handed to one `sendmsg`.
 const MAX_IOV: usize = 32;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Every critical section leaves its data consistent, so a poisoned lock is usable.
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 #[derive(Default)]
 struct OutState {
