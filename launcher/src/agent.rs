@@ -1,15 +1,27 @@
-//! The node agent (`ductile agent`, started by the controller): starts its node's ranks,
-//! relays the bootstrap fence, forwards output, reports exits, and ends its ranks when
-//! told to (or when the controller is gone).
+//! The node agent (`ductile agent`): starts its node's ranks, relays messages between
+//! them and the controller, forwards their output, reports exits, starts further node
+//! worlds during a growth, and ends its ranks when told to (or when the controller is
+//! gone).
+//!
+//! An agent of the initial layout is started by the controller and talks to it over its
+//! fd-3 channel. An agent started by a resize is started by another agent (its spawner)
+//! and gets its handoff over that channel; it connects to the controller's socket (with
+//! the token from its handoff) for the rest of its life, reports `Ready` to its spawner
+//! once its ranks are bound (the spawner's slot is then free for its next order), starts
+//! its own orders, and reports its whole subtree (`Grown`) to its spawner, so the new
+//! membership is gathered along the spawn tree.
 
 use crate::output::{forward, Stream};
-use crate::proto::{AgentHandoff, Exit, FromAgent, RankStarted, ToAgent, AGENT_VERSION};
+use crate::proto::AGENT_VERSION;
+use crate::proto::{AgentHandoff, Exit, FromAgent, Hello, Joining, NodeStarted, RankStarted, SpawnOrder, ToAgent};
 use crate::spawn::{signal_pid, spawn_with_channel, Output};
 use anyhow::{bail, Context as _};
 use ductile::bootstrap::{self, nonblocking, FromRank, RankHandoff, ToRank, CONTROL_FD_ENV, HANDOFF_VERSION};
 use ductile_transport::Rank;
-use std::collections::HashMap;
+use serde::de::DeserializeOwned;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
+use tokio::io::AsyncRead;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 use tokio::sync::mpsc;
@@ -20,11 +32,45 @@ pub const KILL_GRACE: Duration = Duration::from_secs(2);
 /// Time allowed to drain a rank's output after it exited.
 const DRAIN: Duration = Duration::from_secs(2);
 
-struct Ranks {
-    pids: HashMap<Rank, u32>,
-    channels: Vec<UnixStream>,
+struct Proc {
+    pid: u32,
+    tx: OwnedWriteHalf,
+}
+
+struct NodeWorld {
+    procs: HashMap<Rank, Proc>,
+    readers: Vec<(Rank, OwnedReadHalf)>,
     forwarders: Vec<JoinHandle<()>>,
     exits: mpsc::UnboundedReceiver<(Rank, Exit)>,
+}
+
+/// Where the result of a growth goes.
+#[derive(Clone, Copy, Debug)]
+enum Dest {
+    /// The spawner of this (joining) agent, with this node world included.
+    Spawner,
+    /// The controller.
+    Controller,
+}
+
+/// Reads messages from `r` into a channel until it fails; reading in a task of its own
+/// keeps message framing intact (a read cancelled halfway would lose bytes).
+fn reader<T, R>(mut r: R) -> mpsc::UnboundedReceiver<Result<T, String>>
+where
+    T: DeserializeOwned + Send + 'static,
+    R: AsyncRead + Unpin + Send + 'static,
+{
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let m = nonblocking::read_msg::<T>(&mut r).await.map_err(|e| e.to_string());
+            let failed = m.is_err();
+            if tx.send(m).is_err() || failed {
+                return;
+            }
+        }
+    });
+    rx
 }
 
 /// Runs the agent; returns when its node world has ended.
@@ -36,45 +82,75 @@ pub async fn run() -> anyhow::Result<()> {
         std::env::var(CONTROL_FD_ENV).context("the agent is started by `ductile run`, not by hand")?.parse()?;
     let std_stream = bootstrap::take_control(fd).map_err(anyhow::Error::msg)?;
     std_stream.set_nonblocking(true)?;
-    let (mut rx, mut tx) = UnixStream::from_std(std_stream)?.into_split();
-    let h = match nonblocking::read_msg::<ToAgent>(&mut rx).await? {
+    let (mut prx, mut ptx) = UnixStream::from_std(std_stream)?.into_split();
+    let h = match nonblocking::read_msg::<ToAgent>(&mut prx).await? {
         ToAgent::Handoff(h) if h.version == AGENT_VERSION => h,
         ToAgent::Handoff(h) => bail!("agent handoff version {} (this build speaks {AGENT_VERSION})", h.version),
         other => bail!("expected a handoff, got {other:?}"),
     };
-    let mut ranks = match start_ranks(&h).await {
-        Ok(r) => r,
+    let (up_rx, mut up_tx, mut spawner) = match &h.joining {
+        None => (prx, ptx, None),
+        Some(j) => match connect(&h, j).await {
+            Ok((r, w)) => (r, w, Some(ptx)),
+            Err(e) => {
+                let msg = format!("{}: cannot reach the controller: {e:#}", h.node);
+                nonblocking::write_msg(&mut ptx, &FromAgent::Failed(msg)).await?;
+                return Ok(());
+            }
+        },
+    };
+    let report = spawner.as_mut().unwrap_or(&mut up_tx);
+    let mut world = match start_ranks(&h).await {
+        Ok(w) => w,
         Err(e) => {
-            let msg = format!("{}: {e:#}", h.node);
-            nonblocking::write_msg(&mut tx, &FromAgent::Failed(msg)).await?;
+            nonblocking::write_msg(report, &FromAgent::Failed(format!("{}: {e:#}", h.node))).await?;
             return Ok(());
         }
     };
-    if let Err(e) = fence(&h, &mut ranks, &mut rx, &mut tx).await {
-        end_ranks(&mut ranks).await;
-        let _ = nonblocking::write_msg(&mut tx, &FromAgent::Failed(format!("{}: {e:#}", h.node))).await;
-        return Ok(());
+    let started = match await_ready(&h, &mut world, report).await {
+        Ok(s) => s,
+        Err(e) => {
+            end_ranks(&mut world).await;
+            let _ = nonblocking::write_msg(report, &FromAgent::Failed(format!("{}: {e:#}", h.node))).await;
+            return Ok(());
+        }
+    };
+    nonblocking::write_msg(report, &FromAgent::Ready(started.clone())).await?;
+    let own = NodeStarted { node: h.node, agent_pid: std::process::id(), ranks: started };
+    let (grown_tx, grown_rx) = mpsc::unbounded_channel();
+    if let Some(j) = &h.joining {
+        start_growth(&h, j.spawns.clone(), Dest::Spawner, &grown_tx);
     }
-    supervise(&mut ranks, rx, tx).await
+    let mut sup = Supervisor { h, up_tx, spawner, own, grown_tx };
+    sup.supervise(&mut world, reader(up_rx), grown_rx).await
 }
 
-async fn start_ranks(h: &AgentHandoff) -> anyhow::Result<Ranks> {
+/// Connects a joining agent to the controller's socket and says who it is.
+async fn connect(h: &AgentHandoff, j: &Joining) -> anyhow::Result<(OwnedReadHalf, OwnedWriteHalf)> {
+    let s = tokio::time::timeout(Duration::from_millis(h.join_timeout_ms.max(1)), UnixStream::connect(&h.socket))
+        .await
+        .context("timed out")??;
+    let (r, mut w) = s.into_split();
+    nonblocking::write_msg(&mut w, &Hello::Agent { node: h.node, token: j.token.clone() }).await?;
+    Ok((r, w))
+}
+
+async fn start_ranks(h: &AgentHandoff) -> anyhow::Result<NodeWorld> {
     let (exit_tx, exits) = mpsc::unbounded_channel();
-    let mut out = Ranks { pids: HashMap::new(), channels: Vec::new(), forwarders: Vec::new(), exits };
-    for &rank in &h.ranks {
+    let mut out = NodeWorld { procs: HashMap::new(), readers: Vec::new(), forwarders: Vec::new(), exits };
+    for &id in &h.ids {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
-        let spawned = spawn_with_channel(h.program.as_ref(), &h.args, &theirs, false, Output::Piped);
+        let spawned = spawn_with_channel(h.program.as_ref(), &h.args, &theirs, false, Output::Piped, true);
         let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
                 end_ranks(&mut out).await;
-                bail!("cannot start {} for {rank}: {e}", h.program);
+                bail!("cannot start {} for {id}: {e}", h.program);
             }
         };
         drop(theirs);
         let pid = child.id().unwrap_or(0);
-        out.pids.insert(rank, pid);
-        let prefix = h.tag_output.then(|| format!("[{}] ", rank.0));
+        let prefix = h.tag_output.then(|| format!("[{}] ", id.0));
         if let Some(o) = child.stdout.take() {
             out.forwarders.push(tokio::spawn(forward(o, prefix.clone(), Stream::Stdout)));
         }
@@ -87,121 +163,270 @@ async fn start_ranks(h: &AgentHandoff) -> anyhow::Result<Ranks> {
                 Ok(s) => Exit::from_status(s),
                 Err(_) => Exit::Code(1),
             };
-            let _ = tx.send((rank, exit));
+            let _ = tx.send((id, exit));
         });
         ours.set_nonblocking(true)?;
-        let mut ch = UnixStream::from_std(ours)?;
+        let (r, mut w) = UnixStream::from_std(ours)?.into_split();
         let handoff = RankHandoff {
             version: HANDOFF_VERSION,
             job: h.job,
             key: h.key.clone(),
-            rank,
-            size: h.size,
+            id,
             node: h.node,
-            nodes: h.nodes,
             transport: h.transport.clone(),
             timeout_ms: h.timeout_ms,
+            joining: h.joining.is_some(),
         };
         // A rank that is not a ductile program never reads this; the write still
-        // succeeds into the socket buffer, and the fence below reports it.
-        nonblocking::write_msg(&mut ch, &ToRank::Handoff(handoff)).await?;
-        out.channels.push(ch);
+        // succeeds into the socket buffer, and the wait for readiness reports it.
+        nonblocking::write_msg(&mut w, &ToRank::Handoff(handoff)).await?;
+        out.procs.insert(id, Proc { pid, tx: w });
+        out.readers.push((id, r));
     }
     Ok(out)
 }
 
-/// Collects every rank's address, reports them, and relays the job's table back.
-async fn fence(
+/// Waits for every rank's address (reporting exits on the way).
+async fn await_ready(
     h: &AgentHandoff,
-    ranks: &mut Ranks,
-    rx: &mut OwnedReadHalf,
-    tx: &mut OwnedWriteHalf,
-) -> anyhow::Result<()> {
+    world: &mut NodeWorld,
+    report: &mut OwnedWriteHalf,
+) -> anyhow::Result<Vec<RankStarted>> {
     // The controller sets this a little shorter than its own limit, so that the
     // precise reason (which rank did not join) is what the user sees.
     let t = Duration::from_millis(h.join_timeout_ms.max(1));
-    let mut started = Vec::with_capacity(h.ranks.len());
-    for (i, &rank) in h.ranks.iter().enumerate() {
+    let mut started = Vec::with_capacity(world.readers.len());
+    for (id, r) in &mut world.readers {
+        let id = *id;
         let ready = tokio::select! {
-            r = tokio::time::timeout(t, nonblocking::read_msg::<FromRank>(&mut ranks.channels[i])) => r,
-            Some((r, exit)) = ranks.exits.recv() => {
-                nonblocking::write_msg(tx, &FromAgent::RankExited { rank: r, exit }).await?;
+            r = tokio::time::timeout(t, nonblocking::read_msg::<FromRank>(r)) => r,
+            Some((r, exit)) = world.exits.recv() => {
+                nonblocking::write_msg(report, &FromAgent::RankExited { rank: r, exit }).await?;
                 bail!("{r} {exit} before joining the job");
             }
         };
         match ready {
             Ok(Ok(FromRank::Ready { addr })) => {
-                started.push(RankStarted { rank, pid: ranks.pids.get(&rank).copied().unwrap_or(0), addr });
+                started.push(RankStarted { id, pid: world.procs.get(&id).map_or(0, |p| p.pid), addr });
             }
-            Ok(Ok(other)) => bail!("{rank} sent {other:?} before joining"),
-            Ok(Err(e)) => bail!("{rank} did not join the job (is it a ductile program?): {e}"),
-            Err(_) => bail!("{rank} did not join the job within {t:?}"),
+            Ok(Ok(other)) => bail!("{id} sent {other:?} before joining"),
+            Ok(Err(e)) => bail!("{id} did not join the job (is it a ductile program?): {e}"),
+            Err(_) => bail!("{id} did not join the job within {t:?}"),
         }
     }
-    nonblocking::write_msg(tx, &FromAgent::Ready(started)).await?;
-    let table = loop {
-        tokio::select! {
-            m = nonblocking::read_msg::<ToAgent>(rx) => match m? {
-                ToAgent::Peers(t) => break t,
-                ToAgent::Abort => bail!("aborted by the controller during start-up"),
-                ToAgent::Handoff(_) => bail!("second handoff"),
-            },
-            Some((r, exit)) = ranks.exits.recv() => {
-                nonblocking::write_msg(tx, &FromAgent::RankExited { rank: r, exit }).await?;
-            }
-        }
-    };
-    for ch in &mut ranks.channels {
-        nonblocking::write_msg(ch, &ToRank::Peers(table.clone())).await?;
-    }
-    Ok(())
+    Ok(started)
 }
 
-/// Waits for the ranks to end, reporting each exit; ends them on abort.
-async fn supervise(ranks: &mut Ranks, mut rx: OwnedReadHalf, mut tx: OwnedWriteHalf) -> anyhow::Result<()> {
-    let mut controller_open = true;
-    while !ranks.pids.is_empty() {
-        tokio::select! {
-            Some((rank, exit)) = ranks.exits.recv() => {
-                ranks.pids.remove(&rank);
-                let _ = nonblocking::write_msg(&mut tx, &FromAgent::RankExited { rank, exit }).await;
-            }
-            m = nonblocking::read_msg::<ToAgent>(&mut rx), if controller_open => match m {
-                Ok(ToAgent::Abort) | Err(_) => {
-                    controller_open = false;
-                    end_ranks(ranks).await;
+struct Supervisor {
+    h: AgentHandoff,
+    up_tx: OwnedWriteHalf,
+    spawner: Option<OwnedWriteHalf>,
+    own: NodeStarted,
+    grown_tx: mpsc::UnboundedSender<Grown>,
+}
+
+type Grown = (Dest, Result<Vec<NodeStarted>, String>);
+
+fn start_growth(h: &AgentHandoff, orders: Vec<SpawnOrder>, dest: Dest, tx: &mpsc::UnboundedSender<Grown>) {
+    let (h, tx) = (h.clone(), tx.clone());
+    tokio::spawn(async move {
+        let r = grow(&h, orders).await;
+        let _ = tx.send((dest, r));
+    });
+}
+
+impl Supervisor {
+    /// Relays messages and reports exits until every rank has ended.
+    async fn supervise(
+        &mut self,
+        world: &mut NodeWorld,
+        mut up: mpsc::UnboundedReceiver<Result<ToAgent, String>>,
+        mut grown: mpsc::UnboundedReceiver<Grown>,
+    ) -> anyhow::Result<()> {
+        let (msg_tx, mut msgs) = mpsc::unbounded_channel();
+        for (id, r) in world.readers.drain(..) {
+            let tx = msg_tx.clone();
+            let mut rx = reader::<FromRank, _>(r);
+            tokio::spawn(async move {
+                while let Some(Ok(m)) = rx.recv().await {
+                    if tx.send((id, m)).is_err() {
+                        return;
+                    }
                 }
-                Ok(other) => tracing::warn!("agent ignores unexpected {other:?}"),
+            });
+        }
+        drop(msg_tx);
+        let mut controller_open = true;
+        while !world.procs.is_empty() {
+            tokio::select! {
+                Some((rank, exit)) = world.exits.recv() => {
+                    world.procs.remove(&rank);
+                    let _ = nonblocking::write_msg(&mut self.up_tx, &FromAgent::RankExited { rank, exit }).await;
+                }
+                Some((id, m)) = msgs.recv() => match m {
+                    FromRank::Finalized => {}
+                    FromRank::Ready { .. } => tracing::warn!("{id} reported ready twice"),
+                    other => {
+                        let _ = nonblocking::write_msg(&mut self.up_tx, &FromAgent::Rank(id, other)).await;
+                    }
+                },
+                Some((dest, r)) = grown.recv() => self.grown(dest, r).await,
+                m = up.recv(), if controller_open => match m {
+                    Some(Ok(msg)) => self.on_controller(world, msg).await,
+                    Some(Err(_)) | None => {
+                        controller_open = false;
+                        end_ranks(world).await;
+                    }
+                },
+            }
+            if !controller_open && world.procs.is_empty() {
+                break;
+            }
+        }
+        for f in world.forwarders.drain(..) {
+            let _ = tokio::time::timeout(DRAIN, f).await;
+        }
+        let _ = nonblocking::write_msg(&mut self.up_tx, &FromAgent::Done).await;
+        Ok(())
+    }
+
+    async fn on_controller(&mut self, world: &mut NodeWorld, msg: ToAgent) {
+        match msg {
+            ToAgent::Membership(m) => {
+                for p in world.procs.values_mut() {
+                    let _ = nonblocking::write_msg(&mut p.tx, &ToRank::Membership(m.clone())).await;
+                }
+            }
+            ToAgent::ToRank(id, m) => match world.procs.get_mut(&id) {
+                Some(p) => {
+                    let _ = nonblocking::write_msg(&mut p.tx, &m).await;
+                }
+                None => tracing::warn!("{}: no {id} here for {m:?}", self.h.node),
             },
+            ToAgent::Grow(orders) => {
+                start_growth(&self.h, orders, Dest::Controller, &self.grown_tx);
+            }
+            ToAgent::End(ids) => {
+                for id in ids {
+                    if let Some(p) = world.procs.get(&id) {
+                        signal_pid(p.pid, libc::SIGKILL);
+                    }
+                }
+            }
+            ToAgent::Abort => end_ranks(world).await,
+            ToAgent::Handoff(_) => tracing::warn!("{}: second handoff ignored", self.h.node),
         }
     }
-    for f in ranks.forwarders.drain(..) {
-        let _ = tokio::time::timeout(DRAIN, f).await;
+
+    async fn grown(&mut self, dest: Dest, r: Result<Vec<NodeStarted>, String>) {
+        let msg = match (dest, r) {
+            (Dest::Spawner, Ok(mut nodes)) => {
+                nodes.insert(0, self.own.clone());
+                FromAgent::Grown(nodes)
+            }
+            (Dest::Controller, Ok(nodes)) => FromAgent::Grown(nodes),
+            (_, Err(e)) => FromAgent::Failed(e),
+        };
+        let to = match dest {
+            Dest::Spawner => self.spawner.take(),
+            Dest::Controller => None,
+        };
+        match to {
+            Some(mut w) => {
+                let _ = nonblocking::write_msg(&mut w, &msg).await;
+            }
+            None => {
+                let _ = nonblocking::write_msg(&mut self.up_tx, &msg).await;
+            }
+        }
     }
-    let _ = nonblocking::write_msg(&mut tx, &FromAgent::Done).await;
-    Ok(())
+}
+
+/// Starts the node worlds of `orders` (one sequence per spawner, side by side) and
+/// returns every node world of their subtrees once all are up.
+async fn grow(h: &AgentHandoff, orders: Vec<SpawnOrder>) -> Result<Vec<NodeStarted>, String> {
+    let mut seqs: BTreeMap<u32, Vec<SpawnOrder>> = BTreeMap::new();
+    for o in orders {
+        seqs.entry(o.spawner).or_default().push(o);
+    }
+    let runs = seqs.into_values().map(|mut seq| {
+        seq.sort_by_key(|o| o.step);
+        run_sequence(h, seq)
+    });
+    let all = futures_util::future::try_join_all(runs).await?;
+    Ok(all.into_iter().flatten().collect())
+}
+
+/// One spawner's orders: each new world is started once the previous one is up; their
+/// subtree reports are awaited together at the end.
+async fn run_sequence(h: &AgentHandoff, seq: Vec<SpawnOrder>) -> Result<Vec<NodeStarted>, String> {
+    let mut subtrees = Vec::with_capacity(seq.len());
+    for o in seq {
+        subtrees.push(start_child(h, o).await?);
+    }
+    let wait = Duration::from_millis(h.timeout_ms.max(1));
+    let reports = subtrees.into_iter().map(|(node, mut rx)| async move {
+        match tokio::time::timeout(wait, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
+            Ok(Ok(FromAgent::Grown(nodes))) => Ok(nodes),
+            Ok(Ok(FromAgent::Failed(e))) => Err(e),
+            Ok(Ok(other)) => Err(format!("{node}: unexpected {other:?} while growing")),
+            Ok(Err(e)) => Err(format!("{node}: its agent is gone while growing ({e})")),
+            Err(_) => Err(format!("{node}: its subtree did not come up within {wait:?}")),
+        }
+    });
+    let all = futures_util::future::try_join_all(reports).await?;
+    Ok(all.into_iter().flatten().collect())
+}
+
+/// Starts one node world and waits until its ranks are bound.
+async fn start_child(h: &AgentHandoff, o: SpawnOrder) -> Result<(ductile_transport::NodeId, OwnedReadHalf), String> {
+    let node = o.node;
+    let fail = |e: String| format!("{node}: {e}");
+    let exe = std::env::current_exe().map_err(|e| fail(e.to_string()))?;
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| fail(e.to_string()))?;
+    // No parent-death signal: this agent may be released before the one it starts. The
+    // new agent's lifeline is its connection to the controller.
+    let mut child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, Output::Inherit, false)
+        .map_err(|e| fail(format!("cannot start its agent: {e}")))?;
+    drop(theirs);
+    tokio::spawn(async move {
+        let _ = child.wait().await;
+    });
+    ours.set_nonblocking(true).map_err(|e| fail(e.to_string()))?;
+    let (mut rx, mut tx) = UnixStream::from_std(ours).map_err(|e| fail(e.to_string()))?.into_split();
+    let handoff =
+        AgentHandoff { node, ids: o.ids, joining: Some(Joining { token: o.token, spawns: o.spawns }), ..h.clone() };
+    nonblocking::write_msg(&mut tx, &ToAgent::Handoff(handoff)).await.map_err(|e| fail(e.to_string()))?;
+    let t = Duration::from_millis(h.join_timeout_ms.max(1));
+    match tokio::time::timeout(t, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
+        Ok(Ok(FromAgent::Ready(_))) => Ok((node, rx)),
+        Ok(Ok(FromAgent::Failed(e))) => Err(e),
+        Ok(Ok(other)) => Err(fail(format!("unexpected {other:?} from its agent"))),
+        Ok(Err(e)) => Err(fail(format!("its agent is gone ({e})"))),
+        Err(_) => Err(fail(format!("its node world did not come up within {t:?}"))),
+    }
 }
 
 /// Ends every rank still running: SIGTERM, then SIGKILL after [`KILL_GRACE`].
-async fn end_ranks(ranks: &mut Ranks) {
-    for &pid in ranks.pids.values() {
-        signal_pid(pid, libc::SIGTERM);
+async fn end_ranks(world: &mut NodeWorld) {
+    for p in world.procs.values() {
+        signal_pid(p.pid, libc::SIGTERM);
     }
     let deadline = tokio::time::Instant::now() + KILL_GRACE;
-    while !ranks.pids.is_empty() {
-        match tokio::time::timeout_at(deadline, ranks.exits.recv()).await {
+    while !world.procs.is_empty() {
+        match tokio::time::timeout_at(deadline, world.exits.recv()).await {
             Ok(Some((rank, _))) => {
-                ranks.pids.remove(&rank);
+                world.procs.remove(&rank);
             }
             Ok(None) => return,
             Err(_) => {
-                for &pid in ranks.pids.values() {
-                    signal_pid(pid, libc::SIGKILL);
+                for p in world.procs.values() {
+                    signal_pid(p.pid, libc::SIGKILL);
                 }
-                while !ranks.pids.is_empty() {
-                    match tokio::time::timeout(KILL_GRACE, ranks.exits.recv()).await {
+                while !world.procs.is_empty() {
+                    match tokio::time::timeout(KILL_GRACE, world.exits.recv()).await {
                         Ok(Some((rank, _))) => {
-                            ranks.pids.remove(&rank);
+                            world.procs.remove(&rank);
                         }
                         _ => return,
                     }

@@ -2,7 +2,10 @@
 
 use crate::controller::JobSpec;
 use crate::layout;
-use clap::{Parser, Subcommand};
+use crate::plan::resize::Target;
+use crate::plan::spawn::{Method, Strategy};
+use crate::policy::{Bounds, PolicySpec};
+use clap::{Parser, Subcommand, ValueEnum};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -20,6 +23,8 @@ pub struct Cli {
 pub enum Command {
     /// Run a parallel job on simulated local nodes.
     Run(RunArgs),
+    /// Ask a running job to grow or shrink at its next checkpoint.
+    Resize(ResizeArgs),
     /// Internal: the node agent started by `ductile run`.
     #[command(hide = true)]
     Agent,
@@ -35,9 +40,33 @@ pub struct RunArgs {
     /// Number of simulated nodes.
     #[arg(long)]
     pub nodes: Option<u32>,
-    /// Process slots per node.
-    #[arg(long)]
-    pub slots: Option<u32>,
+    /// Process slots per node: one count, or a list for nodes 0, 1, ... (the last entry
+    /// repeats), e.g. `4,2,8`.
+    #[arg(long, value_delimiter = ',', num_args = 1)]
+    pub slots: Vec<u32>,
+    /// Nodes in the pool the job may grow into (default: --nodes, or the largest step
+    /// of a `steps:` policy).
+    #[arg(long, value_name = "N")]
+    pub max_nodes: Option<u32>,
+    /// Fewest nodes the job may shrink to.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub min_nodes: u32,
+    /// Preferred node count (a hint to the policies).
+    #[arg(long, value_name = "N")]
+    pub preferred_nodes: Option<u32>,
+    /// When the job changes size: fixed, steps:A,B,C (node counts), inc-dec, random[:SEED].
+    #[arg(long, default_value = "fixed", value_parser = parse_policy)]
+    pub policy: PolicySpec,
+    /// Checkpoints between change points of the policy.
+    #[arg(long, value_name = "K", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub period: u64,
+    /// Who starts new node worlds: every running process (tree) or one process.
+    #[arg(long, value_enum, default_value_t = SpawnArg::Parallel)]
+    pub spawn: SpawnArg,
+    /// Growth method: keep the running processes and add the difference, or start the
+    /// whole target anew and end the old processes.
+    #[arg(long, value_enum, default_value_t = MethodArg::Merge)]
+    pub method: MethodArg,
     /// Prefix every output line with `[rank]`.
     #[arg(long)]
     pub tag_output: bool,
@@ -56,6 +85,58 @@ pub struct RunArgs {
     /// The program and its arguments.
     #[arg(value_name = "PROGRAM", allow_hyphen_values = true)]
     pub command: Vec<String>,
+}
+
+/// `--spawn`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SpawnArg {
+    /// Tree-parallel: every process spawns (hypercube / iterative diffusive).
+    Parallel,
+    /// One process starts every new node world.
+    Single,
+}
+
+/// `--method`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MethodArg {
+    /// Keep the sources, spawn the difference.
+    Merge,
+    /// Spawn the whole target, end the sources.
+    Baseline,
+}
+
+fn parse_policy(s: &str) -> Result<PolicySpec, String> {
+    s.parse()
+}
+
+/// Arguments of `ductile resize`.
+#[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("size").required(true).args(["nodes", "procs"])))]
+pub struct ResizeArgs {
+    /// The job: its id (printed at start) or the path of its control socket.
+    pub job: String,
+    /// Target number of nodes.
+    #[arg(long)]
+    pub nodes: Option<u32>,
+    /// Target number of processes.
+    #[arg(long)]
+    pub procs: Option<u32>,
+    /// Seconds to wait for the job to carry it out.
+    #[arg(long, value_name = "SECS", default_value_t = 60)]
+    pub wait: u64,
+}
+
+impl ResizeArgs {
+    /// The requested size.
+    #[must_use]
+    pub fn target(&self) -> Target {
+        match (self.nodes, self.procs) {
+            (Some(n), _) => Target::Nodes(n),
+            (None, Some(p)) => Target::Procs(p),
+            // clap's required group guarantees one of them.
+            (None, None) => Target::Nodes(0),
+        }
+    }
 }
 
 /// Finds a program the way a shell would: a path with a slash as is, else on `PATH`.
@@ -91,7 +172,29 @@ impl RunArgs {
     /// # Errors
     /// One line saying what is wrong.
     pub fn into_spec(self) -> Result<JobSpec, String> {
-        let layout = layout::plan(self.n, self.nodes, self.slots).map_err(|e| e.to_string())?;
+        let layout = layout::plan_slots(self.n, self.nodes, &self.slots).map_err(|e| e.to_string())?;
+        let initial = layout.nodes.len() as u32;
+        let steps_max = match &self.policy {
+            PolicySpec::Steps(s) => s.iter().copied().max().unwrap_or(1),
+            _ => 1,
+        };
+        let max = self.max_nodes.unwrap_or(initial.max(steps_max));
+        if initial > max {
+            return Err(format!("the job starts on {initial} nodes, above --max-nodes {max}"));
+        }
+        if steps_max > max {
+            return Err(format!("--policy asks for {steps_max} nodes, above --max-nodes {max}"));
+        }
+        if initial < self.min_nodes {
+            return Err(format!("the job starts on {initial} nodes, below --min-nodes {}", self.min_nodes));
+        }
+        let bounds = Bounds::new(self.min_nodes, max, self.preferred_nodes).map_err(|e| e.to_string())?;
+        let slots: Vec<u32> = (0..max as usize)
+            .map(|i| layout.nodes.get(i).map_or_else(|| layout::slots_of(&self.slots, i), |n| n.slots))
+            .collect();
+        if u64::from(max) * u64::from(slots.iter().copied().max().unwrap_or(1)) > u64::from(layout::MAX_RANKS) {
+            return Err(format!("a pool of {max} nodes exceeds the limit of {} ranks", layout::MAX_RANKS));
+        }
         let mut command = self.command.into_iter();
         let program = command.next().ok_or("no program given (usage: ductile run [OPTIONS] -- PROGRAM [ARGS...])")?;
         if self.timeout == Some(0) {
@@ -99,6 +202,18 @@ impl RunArgs {
         }
         Ok(JobSpec {
             layout,
+            slots,
+            bounds,
+            policy: self.policy,
+            period: self.period,
+            method: match self.method {
+                MethodArg::Merge => Method::Merge,
+                MethodArg::Baseline => Method::Baseline,
+            },
+            strategy: match self.spawn {
+                SpawnArg::Parallel => Strategy::Parallel,
+                SpawnArg::Single => Strategy::Single,
+            },
             program: resolve_program(&program)?,
             args: command.collect(),
             tag_output: self.tag_output,

@@ -130,6 +130,63 @@ pub fn plan(n: Option<u32>, nodes: Option<u32>, slots: Option<u32>) -> Result<La
     Ok(Layout { nodes: (0..m).map(|i| NodePlan { node: NodeId(i), slots: c, ranks: per_node(i) }).collect() })
 }
 
+/// Slot count of pool node `i` under a `--slots` list: the list's entry, or its last
+/// entry for nodes past its end.
+#[must_use]
+pub fn slots_of(slots: &[u32], i: usize) -> u32 {
+    slots.get(i).or(slots.last()).copied().unwrap_or(1)
+}
+
+/// Places ranks on nodes whose slots differ (`--slots 4,2,8`): nodes are filled in
+/// order, each keeping at least one rank for the nodes after it. Without `-n`, every
+/// slot of the `--nodes` nodes (default 1) is used; without `--nodes`, as few nodes
+/// as hold `-n` ranks.
+///
+/// # Errors
+/// Zero counts, more nodes than ranks, more ranks than slots, or past [`MAX_RANKS`].
+pub fn plan_slots(n: Option<u32>, nodes: Option<u32>, slots: &[u32]) -> Result<Layout, LayoutError> {
+    if slots.len() <= 1 {
+        return plan(n, nodes, slots.first().copied());
+    }
+    let n = nonzero(n, "-n")?;
+    let nodes = nonzero(nodes, "--nodes")?;
+    if slots.contains(&0) {
+        return Err(LayoutError::Zero("--slots"));
+    }
+    let cap = |m: u32| -> u64 { (0..m as usize).map(|i| u64::from(slots_of(slots, i))).sum() };
+    let m = match (n, nodes) {
+        (_, Some(m)) => m,
+        (None, None) => 1,
+        (Some(n), None) => (1..=n).find(|&m| cap(m) >= u64::from(n)).unwrap_or(n),
+    };
+    if m > MAX_RANKS {
+        return Err(LayoutError::OverLimit(u64::from(m)));
+    }
+    let n = match n {
+        Some(n) => n,
+        None => u32::try_from(cap(m)).ok().filter(|&t| t <= MAX_RANKS).ok_or(LayoutError::OverLimit(cap(m)))?,
+    };
+    if n > MAX_RANKS {
+        return Err(LayoutError::OverLimit(u64::from(n)));
+    }
+    if n < m {
+        return Err(LayoutError::FewerRanksThanNodes { n, nodes: m });
+    }
+    if u64::from(n) > cap(m) {
+        let widest = (0..m as usize).map(|i| slots_of(slots, i)).max().unwrap_or(1);
+        return Err(LayoutError::TooManyRanks { n, nodes: m, slots: widest });
+    }
+    let mut out = Vec::with_capacity(m as usize);
+    let mut next = 0;
+    for i in 0..m {
+        let c = slots_of(slots, i as usize);
+        let take = c.min(n - next - (m - i - 1));
+        out.push(NodePlan { node: NodeId(i), slots: c, ranks: next..next + take });
+        next += take;
+    }
+    Ok(Layout { nodes: out })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,6 +221,17 @@ mod tests {
         assert_eq!(plan(Some(9), Some(2), Some(4)), Err(LayoutError::TooManyRanks { n: 9, nodes: 2, slots: 4 }));
         assert!(matches!(plan(Some(MAX_RANKS + 1), None, None), Err(LayoutError::OverLimit(_))));
         assert!(matches!(plan(None, Some(u32::MAX), Some(u32::MAX)), Err(LayoutError::OverLimit(_))));
+    }
+
+    #[test]
+    fn heterogeneous_slots_fill_in_order() {
+        assert_eq!(counts(&plan_slots(None, Some(3), &[4, 2, 8]).unwrap()), [4, 2, 8]);
+        assert_eq!(counts(&plan_slots(Some(7), None, &[4, 2, 8]).unwrap()), [4, 2, 1]);
+        assert_eq!(counts(&plan_slots(Some(3), Some(3), &[4, 2]).unwrap()), [1, 1, 1]);
+        assert_eq!(counts(&plan_slots(None, Some(4), &[1, 3]).unwrap()), [1, 3, 3, 3]);
+        assert_eq!(plan_slots(Some(9), Some(2), &[4, 2]), Err(LayoutError::TooManyRanks { n: 9, nodes: 2, slots: 4 }));
+        assert_eq!(plan_slots(None, None, &[4, 0]), Err(LayoutError::Zero("--slots")));
+        assert_eq!(slots_of(&[4, 2], 5), 2);
     }
 
     proptest! {

@@ -7,11 +7,18 @@
 //! the job as a whole: exit code 0 if every rank exits 0, else the first failing rank's
 //! code, with the remaining ranks terminated. A **node world** (an agent and its ranks)
 //! is one process group, so it can be ended with one signal.
+//!
+//! Jobs are malleable: at the ranks' checkpoints the controller applies a resource
+//! change (from `--policy`, from `ductile resize` on the job's control socket, or asked
+//! for by the application). What a change comes to is planned by pure code ([`plan`],
+//! [`membership`]); growth starts new node worlds along a spawn tree of agents, and
+//! shrinking ends whole node worlds first.
 
 pub mod agent;
 pub mod cli;
 pub mod controller;
 pub mod layout;
+pub mod membership;
 pub mod output;
 pub mod plan;
 pub mod policy;

@@ -45,6 +45,11 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Resize(args) => {
+            let target = args.target();
+            let wait = std::time::Duration::from_secs(args.wait.max(1));
+            exit(rt.block_on(ductile_launcher::controller::socket::request(&args.job, target, wait)))
+        }
         Command::Run(args) => {
             let dry = args.dry_run;
             let spec = match args.into_spec() {

@@ -42,6 +42,12 @@ pub enum Refusal {
     /// Bounds that contradict each other.
     #[error("bad bounds: {0}")]
     BadBounds(String),
+    /// More processes than the pool has slots.
+    #[error("{0} processes do not fit in the pool's {1} slots")]
+    BeyondPool(u32, u64),
+    /// A change the planners cannot make.
+    #[error("{0}")]
+    Impossible(String),
 }
 
 impl Bounds {

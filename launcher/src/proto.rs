@@ -1,12 +1,14 @@
 //! Messages between the controller and its agents, over each agent's control channel
 //! (length-prefixed postcard, as in `ductile::bootstrap`).
 
+use crate::plan::resize::Target;
+use ductile::bootstrap::{FromRank, Membership, ToRank};
 use ductile_transport::{EndpointAddr, JobId, JobKey, NodeId, Rank};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// Version of the agent handoff.
-pub const AGENT_VERSION: u32 = 1;
+pub const AGENT_VERSION: u32 = 2;
 
 /// Everything an agent needs to start its node world.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -19,12 +21,8 @@ pub struct AgentHandoff {
     pub key: JobKey,
     /// This agent's node.
     pub node: NodeId,
-    /// Number of nodes in the job.
-    pub nodes: u32,
-    /// Number of ranks in the job.
-    pub size: u32,
-    /// The ranks this node runs.
-    pub ranks: Vec<Rank>,
+    /// Endpoint ids of the processes this node world runs.
+    pub ids: Vec<Rank>,
     /// The program (an absolute path, resolved by the controller).
     pub program: String,
     /// Its arguments.
@@ -33,10 +31,70 @@ pub struct AgentHandoff {
     pub transport: String,
     /// Timeout of every wait inside ranks, ms.
     pub timeout_ms: u64,
-    /// Time each rank has to join the job (bind and report its address), ms.
+    /// Time each rank (and each node world this agent starts) has to come up, ms.
     pub join_timeout_ms: u64,
     /// Prefix output lines with `[rank]`.
     pub tag_output: bool,
+    /// The controller's socket (agents started by a resize connect to it).
+    pub socket: String,
+    /// Set for a node world started by a resize.
+    pub joining: Option<Joining>,
+}
+
+/// How a node world started by a resize names itself to the controller, and what it
+/// starts.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Joining {
+    /// Proof of who this agent is, sent in its [`Hello`].
+    pub token: Token,
+    /// Node worlds this one starts in turn.
+    pub spawns: Vec<SpawnOrder>,
+}
+
+/// A random one-time secret naming one agent to the controller.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Token(pub [u8; 32]);
+
+impl Token {
+    /// A fresh token.
+    ///
+    /// # Errors
+    /// The random source failed.
+    pub fn random() -> Result<Self, getrandom::Error> {
+        let mut t = [0u8; 32];
+        getrandom::fill(&mut t)?;
+        Ok(Self(t))
+    }
+
+    /// Constant-time comparison.
+    #[must_use]
+    pub fn matches(&self, other: &Self) -> bool {
+        self.0.iter().zip(other.0.iter()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+}
+
+impl fmt::Debug for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Token(..)")
+    }
+}
+
+/// One node world to start during a growth.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SpawnOrder {
+    /// The spawning process (its position in the spawn plan): the orders of one
+    /// spawner run one after another, those of different spawners side by side.
+    pub spawner: u32,
+    /// Step of the plan.
+    pub step: u32,
+    /// Node of the new world.
+    pub node: NodeId,
+    /// Endpoint ids of its processes.
+    pub ids: Vec<Rank>,
+    /// The new agent's token.
+    pub token: Token,
+    /// What the new world starts in turn.
+    pub spawns: Vec<SpawnOrder>,
 }
 
 /// Controller → agent.
@@ -44,8 +102,14 @@ pub struct AgentHandoff {
 pub enum ToAgent {
     /// The first message.
     Handoff(AgentHandoff),
-    /// The full address table (the fence).
-    Peers(Vec<EndpointAddr>),
+    /// The job's first membership (the start-up fence).
+    Membership(Membership),
+    /// Start these node worlds (and, through them, their subtrees).
+    Grow(Vec<SpawnOrder>),
+    /// Pass a message to one of the node's ranks.
+    ToRank(Rank, ToRank),
+    /// End these ranks (released ones that did not leave in time).
+    End(Vec<Rank>),
     /// End the node world now.
     Abort,
 }
@@ -93,22 +157,37 @@ impl fmt::Display for Exit {
 /// One started rank.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RankStarted {
-    /// Its rank.
-    pub rank: Rank,
+    /// Its endpoint id.
+    pub id: Rank,
     /// Its pid.
     pub pid: u32,
     /// Its endpoint address.
     pub addr: EndpointAddr,
 }
 
-/// Agent → controller.
+/// A node world that came up during a growth.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct NodeStarted {
+    /// Its node.
+    pub node: NodeId,
+    /// Its agent's pid.
+    pub agent_pid: u32,
+    /// Its ranks.
+    pub ranks: Vec<RankStarted>,
+}
+
+/// Agent → controller (and a started agent → the agent that started it).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum FromAgent {
     /// Every rank of the node is started and bound.
     Ready(Vec<RankStarted>),
+    /// The node worlds of a subtree of a growth are up.
+    Grown(Vec<NodeStarted>),
+    /// A message from one of the node's ranks.
+    Rank(Rank, FromRank),
     /// A rank ended.
     RankExited {
-        /// Which.
+        /// Which (endpoint id).
         rank: Rank,
         /// How.
         exit: Exit,
@@ -117,4 +196,31 @@ pub enum FromAgent {
     Failed(String),
     /// Every rank ended and its output is forwarded; the agent exits next.
     Done,
+}
+
+/// The first message on the controller's socket.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Hello {
+    /// An agent started by a resize.
+    Agent {
+        /// Its node.
+        node: NodeId,
+        /// The token from its handoff.
+        token: Token,
+    },
+    /// `ductile resize`.
+    Resize(Target),
+}
+
+/// The controller's answers to `ductile resize`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ResizeReply {
+    /// Accepted; it happens at the job's next checkpoint.
+    Queued,
+    /// Refused, with the reason; the job is unchanged.
+    Refused(String),
+    /// Done, with a summary.
+    Done(String),
+    /// It failed (and so did the job), with the reason.
+    Failed(String),
 }

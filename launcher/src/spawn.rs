@@ -1,8 +1,9 @@
 //! Starting child processes with a control channel as fd 3.
 //!
 //! Children get: the channel as [`CONTROL_FD`] (named in `DUCTILE_CONTROL_FD`), a
-//! parent-death signal (SIGKILL) so nothing outlives its parent, and, for agents, a new
-//! process group so a whole node world can be ended with one `killpg`. Spawning happens
+//! parent-death signal (SIGKILL) so nothing outlives its parent (except agents started
+//! by other agents, whose lifeline is their connection to the controller), and, for
+//! agents, a new process group so a whole node world can be ended with one `killpg`. Spawning happens
 //! on the launcher's main thread (a current-thread runtime), which matters because the
 //! parent-death signal follows the thread that forked.
 
@@ -22,7 +23,8 @@ pub enum Output {
     Piped,
 }
 
-/// Starts `program args` with `channel` as its control channel.
+/// Starts `program args` with `channel` as its control channel, in a process group of
+/// its own if `new_group`, with the parent-death signal if `parent_death`.
 ///
 /// # Errors
 /// The program cannot be started.
@@ -32,6 +34,7 @@ pub fn spawn_with_channel(
     channel: &UnixStream,
     new_group: bool,
     output: Output,
+    parent_death: bool,
 ) -> std::io::Result<Child> {
     let fd = channel.as_raw_fd();
     let parent = std::process::id();
@@ -43,12 +46,12 @@ pub fn spawn_with_channel(
     // SAFETY: the closure runs in the forked child before exec and calls only
     // async-signal-safe functions (fcntl, dup2, setpgid, prctl, getppid).
     unsafe {
-        cmd.pre_exec(move || child_setup(fd, new_group, parent));
+        cmd.pre_exec(move || child_setup(fd, new_group, parent_death.then_some(parent)));
     }
     cmd.spawn()
 }
 
-fn child_setup(fd: i32, new_group: bool, parent: u32) -> std::io::Result<()> {
+fn child_setup(fd: i32, new_group: bool, parent: Option<u32>) -> std::io::Result<()> {
     let check = |rc: i32| if rc < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) };
     // SAFETY: plain syscalls on descriptors and the calling process.
     unsafe {
@@ -60,10 +63,12 @@ fn child_setup(fd: i32, new_group: bool, parent: u32) -> std::io::Result<()> {
         if new_group {
             check(libc::setpgid(0, 0))?;
         }
-        check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0))?;
-        // The parent may have died before the death signal was armed.
-        if u32::try_from(libc::getppid()).ok() != Some(parent) {
-            return Err(std::io::Error::other("parent exited during spawn"));
+        if let Some(parent) = parent {
+            check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0))?;
+            // The parent may have died before the death signal was armed.
+            if u32::try_from(libc::getppid()).ok() != Some(parent) {
+                return Err(std::io::Error::other("parent exited during spawn"));
+            }
         }
     }
     Ok(())

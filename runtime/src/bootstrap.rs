@@ -2,11 +2,16 @@
 //!
 //! The agent starts each rank with one end of a Unix socket pair as file descriptor
 //! [`CONTROL_FD`] and names it in `DUCTILE_CONTROL_FD`. Over it flow length-prefixed
-//! postcard messages: the agent sends [`ToRank::Handoff`] (job id, key, rank, size, node,
-//! transport); the rank binds its endpoint and answers [`FromRank::Ready`] with its
-//! address; once every rank of the job is ready the agent sends [`ToRank::Peers`] (the
-//! fence). The key travels only over this private channel, never in argv or the
+//! postcard messages: the agent sends [`ToRank::Handoff`] (job id, key, endpoint id,
+//! node, transport); the rank binds its endpoint and answers [`FromRank::Ready`] with its
+//! address; once every rank of the job is ready the agent sends [`ToRank::Membership`]
+//! (the fence). The key travels only over this private channel, never in argv or the
 //! environment.
+//!
+//! At a checkpoint, rank 0 sends [`FromRank::Checkpoint`] and gets a [`Decision`]; a
+//! [`Change`] names the old ranks and the new membership. A process started by a resize
+//! gets `joining: true` in its handoff and the [`Change`] it is part of instead of the
+//! start-up membership.
 
 use ductile_transport::{EndpointAddr, JobId, JobKey, NodeId, Rank};
 use serde::de::DeserializeOwned;
@@ -15,7 +20,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 
 /// Version of the handoff; a rank refuses a handoff of another version.
-pub const HANDOFF_VERSION: u32 = 1;
+pub const HANDOFF_VERSION: u32 = 2;
 /// The file descriptor the control channel is passed as.
 pub const CONTROL_FD: i32 = 3;
 /// Environment variable naming the control channel's descriptor.
@@ -23,7 +28,7 @@ pub const CONTROL_FD_ENV: &str = "DUCTILE_CONTROL_FD";
 /// Largest control message accepted.
 pub const MAX_CONTROL_MSG: u32 = 64 << 20;
 
-/// Everything a rank needs to join its job.
+/// Everything a process needs to join its job.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RankHandoff {
     /// Must be [`HANDOFF_VERSION`].
@@ -32,27 +37,82 @@ pub struct RankHandoff {
     pub job: JobId,
     /// The job key.
     pub key: JobKey,
-    /// This process's rank.
-    pub rank: Rank,
-    /// Number of ranks in the job.
-    pub size: u32,
-    /// The node this rank runs on.
+    /// This process's endpoint id (stable for its lifetime; see [`Rank`]).
+    pub id: Rank,
+    /// The node this process runs on.
     pub node: NodeId,
-    /// Number of nodes in the job.
-    pub nodes: u32,
     /// Transport backend name.
     pub transport: String,
     /// Timeout of every wait, in milliseconds.
     pub timeout_ms: u64,
+    /// Whether the process joins a running job (it was started by a resize).
+    pub joining: bool,
+}
+
+/// The job's membership in one epoch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Membership {
+    /// The epoch: 0 at start, one more with every reconfiguration.
+    pub epoch: u64,
+    /// Endpoint id of each rank, in rank order.
+    pub ranks: Vec<Rank>,
+    /// Node of each rank, in rank order.
+    pub nodes: Vec<NodeId>,
+    /// Address of every endpoint id handed out so far, indexed by id (empty once the
+    /// endpoint has left).
+    pub addrs: Vec<EndpointAddr>,
+}
+
+/// A change of the job's group, decided by the controller at a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Change {
+    /// Sequence number of the resource change (`rc/<seq>/added`, `rc/<seq>/removed`).
+    pub seq: u32,
+    /// Endpoint ids of the ranks before the change, in old rank order.
+    pub before: Vec<Rank>,
+    /// The membership after it.
+    pub after: Membership,
+}
+
+/// The controller's answer to a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Decision {
+    /// No change now.
+    Continue,
+    /// A change is under way (new processes are starting); ask again later.
+    Pending,
+    /// The group changes now.
+    Change(Change),
+}
+
+/// How a checkpoint waits for a change that needs new processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CheckpointMode {
+    /// Wait until the change is complete.
+    Blocking,
+    /// Answer [`Decision::Pending`] while new processes start.
+    Background,
 }
 
 /// Messages from the agent to a rank.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum ToRank {
-    /// The first message: who the rank is.
+    /// The first message: who the process is.
     Handoff(RankHandoff),
-    /// The job's address table, indexed by rank (the fence).
-    Peers(Vec<EndpointAddr>),
+    /// The job's first membership (the start-up fence).
+    Membership(Membership),
+    /// The answer to [`FromRank::Checkpoint`], or the change a joining process is part of.
+    Decision(Decision),
+}
+
+/// Phase durations measured inside the ranks during one change, in microseconds
+/// (maxima over the processes involved).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SwitchTimes {
+    /// Installing the new membership and handing the replicated state to new processes.
+    pub connect_us: u64,
+    /// Moving the registered data.
+    pub redistribute_us: u64,
 }
 
 /// Messages from a rank to its agent.
@@ -62,6 +122,24 @@ pub enum FromRank {
     Ready {
         /// The address.
         addr: EndpointAddr,
+    },
+    /// Rank 0 reached a checkpoint (the `count`-th of the job, counted from 1).
+    Checkpoint {
+        /// The current epoch.
+        epoch: u64,
+        /// Checkpoints so far.
+        count: u64,
+        /// How to wait for a change that needs new processes.
+        mode: CheckpointMode,
+        /// Processes the application asks for (evolving jobs), if any.
+        want_procs: Option<u32>,
+    },
+    /// The new rank 0 finished switching to the membership of `epoch`.
+    Switched {
+        /// The new epoch.
+        epoch: u64,
+        /// What the switch cost inside the ranks.
+        times: SwitchTimes,
     },
     /// The rank finalized cleanly.
     Finalized,
@@ -211,16 +289,15 @@ mod tests {
             version: HANDOFF_VERSION,
             job: JobId(1),
             key: JobKey::from_bytes([9; 32]),
-            rank: Rank(2),
-            size: 4,
+            id: Rank(2),
             node: NodeId(1),
-            nodes: 2,
             transport: "tcp".into(),
             timeout_ms: 1000,
+            joining: false,
         };
         let bytes = encode(&ToRank::Handoff(h)).unwrap();
         let back: ToRank = read_msg(&mut &bytes[..]).unwrap();
-        assert!(matches!(back, ToRank::Handoff(b) if b.rank == Rank(2) && b.key.as_bytes() == &[9; 32]));
+        assert!(matches!(back, ToRank::Handoff(b) if b.id == Rank(2) && b.key.as_bytes() == &[9; 32]));
         let huge = (MAX_CONTROL_MSG + 1).to_le_bytes();
         assert!(matches!(read_msg::<ToRank>(&mut &huge[..]), Err(ControlError::TooLarge(_))));
         let garbage = [3u8, 0, 0, 0, 0xff, 0xff, 0xff];

@@ -57,6 +57,9 @@ pub enum Error {
     /// A value that did not encode.
     #[error("cannot encode a value: {0}")]
     Encode(#[source] postcard::Error),
+    /// A reconfiguration failed (the controller, a peer, or the ranks' registrations).
+    #[error("reconfiguration failed: {0}")]
+    Reconfigure(String),
     /// A call with arguments that make no sense (documented per call).
     #[error("invalid argument: {0}")]
     Invalid(String),

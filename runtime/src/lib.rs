@@ -33,13 +33,15 @@ mod group;
 mod pod;
 pub mod pset;
 mod reduce;
+mod registry;
 mod session;
 
 pub use collectives::{PIPELINE_MIN, RING_MIN, SEGMENT};
+pub use ductile_redistrib::block_range;
 pub use ductile_transport::{JobId, NodeId};
 pub use error::{Error, Result};
 pub use group::{AsyncGroup, Group, Status};
 pub use pset::ProcessSet;
 pub use reduce::{ReduceOp, Reducible};
-pub use session::{init, JobInfo, Session};
+pub use session::{init, Checkpoint, JobInfo, Resize, Session};
 pub use {bytemuck, bytes};

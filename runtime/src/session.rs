@@ -1,16 +1,23 @@
 //! Joining a job: [`init`] and the [`Session`] it returns.
 
-use crate::bootstrap::{self, FromRank, RankHandoff, ToRank, HANDOFF_VERSION};
+use crate::bootstrap::{
+    self, Change, CheckpointMode, Decision, FromRank, Membership, RankHandoff, SwitchTimes, ToRank, HANDOFF_VERSION,
+};
 use crate::env::EnvSettings;
 use crate::error::{Error, Result};
 use crate::group::{AsyncGroup, Group};
 use crate::pset::ProcessSet;
+use crate::reduce::ReduceOp;
+use crate::registry::{Manifest, Parts, Registry};
+use bytemuck::Pod;
 use ductile_transport::auth::Identity;
 use ductile_transport::{Context, Endpoint, JobId, JobKey, Mailbox, NodeId, Rank, TransportConfig, TransportSetup};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
 /// Facts about the job this process belongs to.
@@ -20,12 +27,14 @@ pub struct JobInfo {
     pub job: JobId,
     /// The node this process runs on.
     pub node: NodeId,
-    /// Number of nodes in the job.
+    /// Number of nodes in the job (in the current membership).
     pub nodes: u32,
     /// Whether the process was started by the launcher (false: standalone, one rank).
     pub launched: bool,
     /// The transport backend in use.
     pub transport: String,
+    /// This process's endpoint id (stable across reconfigurations, unlike its rank).
+    pub id: Rank,
 }
 
 /// A process's membership in a job. Create it with [`init`]; end it with
@@ -38,16 +47,40 @@ pub struct Session {
     endpoint: Endpoint,
     control: Option<UnixStream>,
     rt: Option<Runtime>,
+    membership: Membership,
+    registry: Registry,
+    /// Checkpoints called so far.
+    count: u64,
+    /// A change needing new processes is under way (background checkpoints).
+    pending: bool,
+    /// Processes the application asked for, sent with the next checkpoint.
+    want: Option<u32>,
+    /// The change this process joined with, if it was started by a resize.
+    joined: Option<Resize>,
+    /// The latest change: its sequence number, the new ranks added, the old ranks removed.
+    last_change: Option<(u32, Vec<u32>, Vec<u32>)>,
+    /// The process left the group at a checkpoint.
+    released: bool,
 }
 
 static TAKEN: AtomicBool = AtomicBool::new(false);
 
-/// The membership epoch (changes with reconfigurations).
-const EPOCH: u64 = 0;
+/// Bit of a transition group's context (world contexts have it clear).
+const TRANSITION_CTX: u32 = 0x4000_0000;
+/// Bits of the epoch in world and transition contexts.
+const EPOCH_CTX_MASK: u64 = 0x3fff_ffff;
+
+fn world_context(epoch: u64) -> Context {
+    Context((epoch & EPOCH_CTX_MASK) as u32)
+}
+
+fn transition_context(epoch: u64) -> Context {
+    Context(TRANSITION_CTX | (epoch & EPOCH_CTX_MASK) as u32)
+}
 
 /// The context of a group built from a process set: FNV-1a over the epoch and ranks,
-/// with the top bit set so it never equals the world's context 0. Every member derives
-/// the same value on its own; distinct sets collide with probability 2^-31.
+/// with the top bit set so it never equals a world or transition context. Every member
+/// derives the same value on its own; distinct sets collide with probability 2^-31.
 fn set_context(set: &ProcessSet) -> Context {
     let mut h: u32 = 0x811c_9dc5;
     let mut eat = |bytes: &[u8]| {
@@ -61,6 +94,59 @@ fn set_context(set: &ProcessSet) -> Context {
         eat(&r.to_le_bytes());
     }
     Context(h | 0x8000_0000)
+}
+
+/// What a checkpoint found.
+#[derive(Clone)]
+#[non_exhaustive]
+pub enum Checkpoint {
+    /// No change: the group is the same.
+    Unchanged,
+    /// A change that needs new processes is under way; the group is the same for now
+    /// (background checkpoints only).
+    Pending,
+    /// The group changed and this process is in the new one; registered data is
+    /// already in its new place.
+    Resized(Resize),
+    /// This process is not in the new group. Its registered data has been handed over;
+    /// it should call [`Session::finalize`] and exit.
+    Released(Resize),
+}
+
+/// One change of the group, as seen by one process.
+#[derive(Clone)]
+pub struct Resize {
+    /// Sequence number of the resource change (`rc/<seq>/...` process sets).
+    pub seq: u32,
+    /// The new membership epoch.
+    pub epoch: u64,
+    /// Group size before.
+    pub old_size: usize,
+    /// Group size after.
+    pub new_size: usize,
+    /// This process's rank before (`None`: it is new).
+    pub old_rank: Option<usize>,
+    /// Its rank after (`None`: it was released).
+    pub new_rank: Option<usize>,
+    /// The new rank of every old rank (`None`: released), indexed by old rank.
+    pub mapping: Vec<Option<usize>>,
+    /// The new ranks that are new processes.
+    pub added: Vec<usize>,
+    /// The group of every process taking part in the change: the old ranks in old order
+    /// (positions `0..old_size`), then the new processes in new rank order. Use it to
+    /// move data the registry does not hold.
+    pub transition: Group,
+}
+
+impl Resize {
+    /// The transition-group position of new rank `r`.
+    #[must_use]
+    pub fn transition_rank_of_new(&self, r: usize) -> Option<usize> {
+        if let Some(old) = self.mapping.iter().position(|m| *m == Some(r)) {
+            return Some(old);
+        }
+        self.added.iter().position(|&a| a == r).map(|k| self.old_size + k)
+    }
 }
 
 /// Joins the job this process was launched into, or, when started without the launcher,
@@ -120,24 +206,27 @@ fn standalone(rt: Runtime, env: &EnvSettings) -> Result<Session> {
         version: HANDOFF_VERSION,
         job: JobId::random().map_err(boot)?,
         key: JobKey::random().map_err(boot)?,
-        rank: Rank(0),
-        size: 1,
+        id: Rank(0),
         node: NodeId(0),
-        nodes: 1,
         transport: "tcp".into(),
         timeout_ms: u64::try_from(env.timeout.as_millis()).unwrap_or(u64::MAX),
+        joining: false,
     };
     let endpoint = bind(&rt, &h)?;
-    let table = vec![endpoint.transport().local_addr()];
-    endpoint.transport().set_peers(&table)?;
-    Session::assemble(rt, env, h, endpoint, None, false)
+    let m = Membership {
+        epoch: 0,
+        ranks: vec![Rank(0)],
+        nodes: vec![NodeId(0)],
+        addrs: vec![endpoint.transport().local_addr()],
+    };
+    endpoint.transport().set_peers(&m.addrs)?;
+    Session::assemble(rt, env, &h, endpoint, None, m)
 }
 
 fn launched(rt: Runtime, env: &EnvSettings, fd: i32) -> Result<Session> {
     let mut control = bootstrap::take_control(fd).map_err(Error::Bootstrap)?;
-    let boot = |e: bootstrap::ControlError| Error::Bootstrap(format!("control channel to the agent: {e}"));
-    control.set_read_timeout(Some(Duration::from_secs(60))).map_err(|e| Error::Bootstrap(e.to_string()))?;
-    let h = match bootstrap::read_msg::<ToRank>(&mut control).map_err(boot)? {
+    set_read_timeout(&control, Duration::from_secs(60))?;
+    let h = match bootstrap::read_msg::<ToRank>(&mut control).map_err(control_err)? {
         ToRank::Handoff(h) if h.version == HANDOFF_VERSION => h,
         ToRank::Handoff(h) => {
             return Err(Error::Bootstrap(format!(
@@ -145,74 +234,370 @@ fn launched(rt: Runtime, env: &EnvSettings, fd: i32) -> Result<Session> {
                 h.version
             )))
         }
-        ToRank::Peers(_) => return Err(Error::Bootstrap("agent sent the address table before the handoff".into())),
+        other => return Err(Error::Bootstrap(format!("expected the handoff from the agent, got {other:?}"))),
     };
     let endpoint = bind(&rt, &h)?;
-    bootstrap::write_msg(&mut control, &FromRank::Ready { addr: endpoint.transport().local_addr() }).map_err(boot)?;
-    control
-        .set_read_timeout(Some(Duration::from_millis(h.timeout_ms.max(1))))
-        .map_err(|e| Error::Bootstrap(e.to_string()))?;
-    let table = match bootstrap::read_msg::<ToRank>(&mut control).map_err(boot)? {
-        ToRank::Peers(t) if t.len() == h.size as usize => t,
-        ToRank::Peers(t) => {
-            return Err(Error::Bootstrap(format!("address table of {} ranks for a job of {}", t.len(), h.size)))
+    bootstrap::write_msg(&mut control, &FromRank::Ready { addr: endpoint.transport().local_addr() })
+        .map_err(control_err)?;
+    set_read_timeout(&control, Duration::from_millis(h.timeout_ms.max(1)))?;
+    let first = bootstrap::read_msg::<ToRank>(&mut control).map_err(control_err)?;
+    match (h.joining, first) {
+        (false, ToRank::Membership(m)) => {
+            endpoint.transport().set_peers(&m.addrs)?;
+            Session::assemble(rt, env, &h, endpoint, Some(control), m)
         }
-        ToRank::Handoff(_) => return Err(Error::Bootstrap("second handoff".into())),
+        (true, ToRank::Decision(Decision::Change(c))) => {
+            // Until the change is applied the process is a group of its own.
+            let alone = Membership { epoch: c.after.epoch, ranks: vec![h.id], nodes: vec![h.node], addrs: Vec::new() };
+            let mut s = Session::assemble(rt, env, &h, endpoint, Some(control), alone)?;
+            match s.apply_change(c, true)? {
+                Checkpoint::Resized(r) => s.joined = Some(r),
+                _ => return Err(Error::Bootstrap("started by a resize but not part of the new group".into())),
+            }
+            Ok(s)
+        }
+        (joining, other) => Err(Error::Bootstrap(format!(
+            "unexpected first message from the agent for a {} process: {other:?}",
+            if joining { "joining" } else { "starting" }
+        ))),
+    }
+}
+
+fn control_err(e: bootstrap::ControlError) -> Error {
+    Error::Bootstrap(format!("control channel to the agent: {e}"))
+}
+
+fn set_read_timeout(c: &UnixStream, t: Duration) -> Result<()> {
+    c.set_read_timeout(Some(t)).map_err(|e| Error::Bootstrap(format!("control channel: {e}")))
+}
+
+/// Bytes waiting to be read on the control channel.
+fn pending_bytes(c: &UnixStream) -> usize {
+    use std::os::fd::AsRawFd;
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one c_int to the pointer given, which is valid.
+    let rc = unsafe { libc::ioctl(c.as_raw_fd(), libc::FIONREAD, &raw mut n) };
+    if rc < 0 {
+        0
+    } else {
+        usize::try_from(n).unwrap_or(0)
+    }
+}
+
+/// Reads one message if a whole one is waiting, without blocking.
+fn try_read(c: &mut UnixStream) -> Result<Option<ToRank>> {
+    let avail = pending_bytes(c);
+    if avail < 4 {
+        return Ok(None);
+    }
+    let mut prefix = [0u8; 4];
+    // A peek: the bytes stay queued until the whole message is there.
+    let got = {
+        use std::os::fd::AsRawFd;
+        // SAFETY: recv with MSG_PEEK into a 4-byte buffer we own.
+        unsafe { libc::recv(c.as_raw_fd(), prefix.as_mut_ptr().cast(), 4, libc::MSG_PEEK | libc::MSG_DONTWAIT) }
     };
-    endpoint.transport().set_peers(&table)?;
-    control.set_read_timeout(None).map_err(|e| Error::Bootstrap(e.to_string()))?;
-    Session::assemble(rt, env, h, endpoint, Some(control), true)
+    if got != 4 {
+        return Ok(None);
+    }
+    let len = bootstrap::check_len(prefix).map_err(control_err)?;
+    if avail < 4 + len {
+        return Ok(None);
+    }
+    bootstrap::read_msg(c).map(Some).map_err(control_err)
 }
 
 fn bind(rt: &Runtime, h: &RankHandoff) -> Result<Endpoint> {
     let mailbox = Arc::new(Mailbox::new());
     let setup = TransportSetup {
-        identity: Identity { job: h.job, key: h.key.clone(), rank: h.rank },
-        size: h.size,
+        identity: Identity { job: h.job, key: h.key.clone(), rank: h.id },
+        size: h.id.0 + 1,
         config: TransportConfig::default(),
         mailbox: mailbox.clone(),
     };
     let _guard = rt.enter();
     let t = ductile_transport::bind(&h.transport, setup)?;
-    Ok(Endpoint::new(t, mailbox, h.rank))
+    Ok(Endpoint::new(t, mailbox, h.id))
+}
+
+fn node_count(m: &Membership) -> u32 {
+    m.nodes.iter().collect::<std::collections::BTreeSet<_>>().len() as u32
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 impl Session {
     fn assemble(
         rt: Runtime,
         env: &EnvSettings,
-        h: RankHandoff,
+        h: &RankHandoff,
         endpoint: Endpoint,
         control: Option<UnixStream>,
-        launched: bool,
+        membership: Membership,
     ) -> Result<Self> {
-        let members: Vec<Rank> = (0..h.size).map(Rank).collect();
         let timeout = Duration::from_millis(h.timeout_ms);
-        let world = AsyncGroup::new(endpoint.clone(), Context(0), members, h.rank.index(), timeout)?;
-        let world = Group::new(world, rt.handle().clone(), env.spin);
-        let info = JobInfo { job: h.job, node: h.node, nodes: h.nodes, launched, transport: h.transport };
-        tracing::debug!("{} of {} joined job {} on {}", h.rank, h.size, h.job, h.node);
-        Ok(Self { world, spin: env.spin, timeout, info, endpoint, control, rt: Some(rt) })
+        let world = Self::world_of(&rt, env.spin, &endpoint, &membership, timeout)?;
+        let info = JobInfo {
+            job: h.job,
+            node: h.node,
+            nodes: node_count(&membership),
+            launched: control.is_some(),
+            transport: h.transport.clone(),
+            id: h.id,
+        };
+        tracing::debug!("{} (rank {} of {}) joined job {} on {}", h.id, world.rank(), world.size(), h.job, h.node);
+        Ok(Self {
+            world,
+            spin: env.spin,
+            timeout,
+            info,
+            endpoint,
+            control,
+            rt: Some(rt),
+            membership,
+            registry: Registry::default(),
+            count: 0,
+            pending: false,
+            want: None,
+            joined: None,
+            last_change: None,
+            released: false,
+        })
     }
 
-    /// The group of every process in the job.
+    fn world_of(rt: &Runtime, spin: Duration, ep: &Endpoint, m: &Membership, timeout: Duration) -> Result<Group> {
+        let me = ep.rank();
+        let pos =
+            m.ranks.iter().position(|r| *r == me).ok_or_else(|| {
+                Error::Bootstrap(format!("this process ({me}) is not in the membership it was given"))
+            })?;
+        let g = AsyncGroup::new(ep.clone(), world_context(m.epoch), m.ranks.clone(), pos, timeout)?;
+        Ok(Group::new(g, rt.handle().clone(), spin))
+    }
+
+    fn handle(&self) -> Result<tokio::runtime::Handle> {
+        self.rt.as_ref().map(|rt| rt.handle().clone()).ok_or(Error::Invalid("session is closed".into()))
+    }
+
+    fn in_group(&self) -> Result<()> {
+        if self.released {
+            return Err(Error::Invalid("this process was released at a checkpoint; call finalize".into()));
+        }
+        Ok(())
+    }
+
+    /// The group of every process in the job (in the current membership).
     #[must_use]
     pub fn world(&self) -> &Group {
         &self.world
     }
 
-    /// A named process set of the current membership: `world` or `self`.
+    /// The current membership epoch: 0 at start, one more with every change.
+    #[must_use]
+    pub fn epoch(&self) -> u64 {
+        self.membership.epoch
+    }
+
+    /// The change this process joined with, if it was started by a resize: its rank,
+    /// the group sizes, and (through the registry) the job's state.
+    #[must_use]
+    pub fn joined(&self) -> Option<&Resize> {
+        self.joined.as_ref()
+    }
+
+    /// Asks for `procs` processes at the next checkpoint (an evolving job). The
+    /// resource manager may grant, clamp or refuse it; the checkpoint's result says.
+    ///
+    /// # Local
+    /// Only rank 0's request is sent.
+    pub fn request_procs(&mut self, procs: u32) {
+        self.want = Some(procs);
+    }
+
+    /// Where the group may change. Waits for the controller's decision: the group stays
+    /// ([`Checkpoint::Unchanged`]), or changes, in which case registered data is moved
+    /// and this process learns its role ([`Checkpoint::Resized`] or
+    /// [`Checkpoint::Released`]). When new processes are needed it waits until they are
+    /// ready.
+    ///
+    /// # Collective
+    /// Every rank of the world calls it.
+    ///
+    /// # Errors
+    /// The controller or a peer failed or timed out, or ranks registered different
+    /// items.
+    pub fn checkpoint(&mut self) -> Result<Checkpoint> {
+        self.checkpoint_in(CheckpointMode::Blocking)
+    }
+
+    /// Like [`Session::checkpoint`], but when a change needs new processes it returns
+    /// [`Checkpoint::Pending`] at once and lets them start while the application goes
+    /// on computing; a later call switches once they are ready.
+    ///
+    /// # Collective
+    /// Every rank of the world calls it.
+    ///
+    /// # Errors
+    /// As [`Session::checkpoint`].
+    pub fn checkpoint_background(&mut self) -> Result<Checkpoint> {
+        self.checkpoint_in(CheckpointMode::Background)
+    }
+
+    fn checkpoint_in(&mut self, mode: CheckpointMode) -> Result<Checkpoint> {
+        self.in_group()?;
+        self.count += 1;
+        let mut decision = if self.world.rank() == 0 { self.root_decision(mode)? } else { Decision::Continue };
+        if self.world.size() > 1 {
+            self.world.broadcast_value(0, &mut decision)?;
+        }
+        match decision {
+            Decision::Continue => {
+                self.pending = false;
+                Ok(Checkpoint::Unchanged)
+            }
+            Decision::Pending => {
+                self.pending = true;
+                Ok(Checkpoint::Pending)
+            }
+            Decision::Change(c) => {
+                self.pending = false;
+                self.apply_change(c, false)
+            }
+        }
+    }
+
+    /// Rank 0's side: asks the controller (once per change) and reads its answer.
+    fn root_decision(&mut self, mode: CheckpointMode) -> Result<Decision> {
+        let timeout = self.timeout;
+        let (epoch, count, pending) = (self.membership.epoch, self.count, self.pending);
+        let want = self.want.take();
+        let Some(c) = self.control.as_mut() else {
+            return Ok(Decision::Continue);
+        };
+        if !pending {
+            let msg = FromRank::Checkpoint { epoch, count, mode, want_procs: want };
+            bootstrap::write_msg(c, &msg).map_err(control_err)?;
+        }
+        let got = if pending && mode == CheckpointMode::Background {
+            match try_read(c)? {
+                Some(m) => m,
+                None => return Ok(Decision::Pending),
+            }
+        } else {
+            set_read_timeout(c, timeout)?;
+            bootstrap::read_msg::<ToRank>(c).map_err(|e| {
+                Error::Reconfigure(format!("no decision from the controller at checkpoint {count}: {e}"))
+            })?
+        };
+        match got {
+            ToRank::Decision(d) => Ok(d),
+            other => Err(Error::Reconfigure(format!("expected a decision from the controller, got {other:?}"))),
+        }
+    }
+
+    /// Switches to the membership of `c`: installs the address table, hands the
+    /// registry's manifest and replicated state from the old rank 0 to everyone, moves
+    /// the distributed items, and builds the new world.
+    fn apply_change(&mut self, c: Change, joined: bool) -> Result<Checkpoint> {
+        let t0 = Instant::now();
+        let me = self.endpoint.rank();
+        let epoch = c.after.epoch;
+        if !joined && (c.before != self.membership.ranks || epoch <= self.membership.epoch) {
+            return Err(Error::Reconfigure(format!(
+                "change to epoch {epoch} does not follow this process's membership (epoch {})",
+                self.membership.epoch
+            )));
+        }
+        if c.after.ranks.is_empty() || c.after.nodes.len() != c.after.ranks.len() || c.before.is_empty() {
+            return Err(Error::Reconfigure(format!("malformed change to epoch {epoch}")));
+        }
+        self.endpoint.transport().set_peers(&c.after.addrs)?;
+        let old: std::collections::HashSet<Rank> = c.before.iter().copied().collect();
+        let members: Vec<Rank> =
+            c.before.iter().copied().chain(c.after.ranks.iter().copied().filter(|r| !old.contains(r))).collect();
+        let tpos = members
+            .iter()
+            .position(|r| *r == me)
+            .ok_or_else(|| Error::Reconfigure(format!("{me} is not part of the change to epoch {epoch}")))?;
+        let tg =
+            AsyncGroup::new(self.endpoint.clone(), transition_context(epoch), members.clone(), tpos, self.timeout)?;
+        let transition = Group::new(tg, self.handle()?, self.spin);
+        let mut manifest = if tpos == 0 { self.registry.manifest() } else { Manifest::default() };
+        transition.broadcast_value(0, &mut manifest)?;
+        self.registry.adopt(manifest, joined)?;
+        let connect = t0.elapsed();
+        let t1 = Instant::now();
+        let new_pos: Vec<Option<u32>> =
+            members.iter().map(|r| c.after.ranks.iter().position(|x| x == r).map(|p| p as u32)).collect();
+        let parts = Parts { old_n: c.before.len() as u32, new_n: c.after.ranks.len() as u32 };
+        let registry = &mut self.registry;
+        transition.block(registry.redistribute(transition.core_async(), parts, &new_pos))?;
+        let redistribute = t1.elapsed();
+        let times = transition.allreduce(&[micros(connect), micros(redistribute)], ReduceOp::Max)?;
+        let old_size = c.before.len();
+        let resize = Resize {
+            seq: c.seq,
+            epoch,
+            old_size,
+            new_size: c.after.ranks.len(),
+            old_rank: (tpos < old_size).then_some(tpos),
+            new_rank: new_pos[tpos].map(|p| p as usize),
+            mapping: new_pos[..old_size].iter().map(|p| p.map(|p| p as usize)).collect(),
+            added: new_pos[old_size..].iter().filter_map(|p| p.map(|p| p as usize)).collect(),
+            transition,
+        };
+        let removed: Vec<u32> = (0..old_size as u32).filter(|&o| new_pos[o as usize].is_none()).collect();
+        self.last_change = Some((c.seq, resize.added.iter().map(|&a| a as u32).collect(), removed));
+        if resize.new_rank.is_none() {
+            self.released = true;
+            tracing::debug!("{me} released at epoch {epoch}");
+            return Ok(Checkpoint::Released(resize));
+        }
+        let rt = self.rt.as_ref().ok_or(Error::Invalid("session is closed".into()))?;
+        self.world = Self::world_of(rt, self.spin, &self.endpoint, &c.after, self.timeout)?;
+        self.info.nodes = node_count(&c.after);
+        self.membership = c.after;
+        if resize.new_rank == Some(0) {
+            if let Some(ctl) = self.control.as_mut() {
+                let times = SwitchTimes { connect_us: times[0], redistribute_us: times[1] };
+                bootstrap::write_msg(ctl, &FromRank::Switched { epoch, times }).map_err(control_err)?;
+            }
+        }
+        tracing::debug!("{me} is rank {} of {} at epoch {epoch}", self.world.rank(), self.world.size());
+        Ok(Checkpoint::Resized(resize))
+    }
+
+    /// A named process set of the current membership: `world`, `self`, `node/<id>`,
+    /// or, for the latest change, `rc/<seq>/added` (new ranks that are new processes,
+    /// current epoch) and `rc/<seq>/removed` (old ranks that left, previous epoch).
     ///
     /// # Local
     ///
     /// # Errors
     /// An unknown name.
     pub fn pset(&self, name: &str) -> Result<ProcessSet> {
-        let (rank, size) = (self.world.rank() as u32, self.world.size() as u32);
+        let (rank, size, epoch) = (self.world.rank() as u32, self.world.size() as u32, self.membership.epoch);
+        if let Some(id) = name.strip_prefix("node/") {
+            let id: u32 = id.parse().map_err(|_| Error::Invalid(format!("bad node id in {name:?}")))?;
+            let ranks = (0..size).filter(|&r| self.membership.nodes[r as usize] == NodeId(id));
+            return Ok(ProcessSet::node(epoch, id, ranks));
+        }
+        if let Some((seq, added, removed)) = &self.last_change {
+            if *name == format!("rc/{seq}/added") {
+                return Ok(ProcessSet::new(name, epoch, added.iter().copied()));
+            }
+            if *name == format!("rc/{seq}/removed") {
+                return Ok(ProcessSet::new(name, epoch.saturating_sub(1), removed.iter().copied()));
+            }
+        }
         match name {
-            "world" => Ok(ProcessSet::world(EPOCH, size)),
-            "self" => Ok(ProcessSet::own(EPOCH, rank)),
-            other => Err(Error::Invalid(format!("unknown process set {other:?} (known: world, self)"))),
+            "world" => Ok(ProcessSet::world(epoch, size)),
+            "self" => Ok(ProcessSet::own(epoch, rank)),
+            other => Err(Error::Invalid(format!(
+                "unknown process set {other:?} (known: world, self, node/<id>, rc/<seq>/added, rc/<seq>/removed)"
+            ))),
         }
     }
 
@@ -225,19 +610,98 @@ impl Session {
     /// # Errors
     /// The set is of another epoch, or this process is not in it.
     pub fn group(&self, set: &ProcessSet) -> Result<Group> {
-        if set.epoch() != EPOCH {
+        if set.epoch() != self.membership.epoch {
             return Err(Error::Invalid(format!("{set} is not of the current membership")));
         }
-        let me = self.endpoint.rank();
-        let members: Vec<Rank> = set.ranks().map(Rank).collect();
-        let pos = members
-            .iter()
-            .position(|r| *r == me)
-            .ok_or_else(|| Error::Invalid(format!("this process ({me}) is not in {set}")))?;
+        let me = self.world.rank() as u32;
+        let members: Vec<Rank> = set
+            .ranks()
+            .map(|r| self.membership.ranks.get(r as usize).copied())
+            .collect::<Option<_>>()
+            .ok_or_else(|| Error::Invalid(format!("{set} names ranks outside the world")))?;
+        let pos = set
+            .ranks()
+            .position(|r| r == me)
+            .ok_or_else(|| Error::Invalid(format!("this process (rank {me}) is not in {set}")))?;
         let g = AsyncGroup::new(self.endpoint.clone(), set_context(set), members, pos, self.timeout)?;
-        let handle =
-            self.rt.as_ref().map(|rt| rt.handle().clone()).ok_or(Error::Invalid("session is closed".into()))?;
-        Ok(Group::new(g, handle, self.spin))
+        Ok(Group::new(g, self.handle()?, self.spin))
+    }
+
+    /// Registers distributed data: a global array of `global_len` elements of which
+    /// this rank holds `block`, its part under the block rule. Every change moves it.
+    ///
+    /// # Local
+    /// Every rank registers the same items in the same order (checked at the next
+    /// change).
+    ///
+    /// # Errors
+    /// The name is taken, the block is not this rank's size, or the element type's
+    /// alignment is above 8.
+    pub fn distribute<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T]) -> Result<()> {
+        let part = (self.world.rank() as u32, self.world.size() as u32);
+        self.registry.distribute(name, global_len, part, block)
+    }
+
+    /// This rank's block of a distributed item.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// No such item, or it holds another type.
+    pub fn block<T: Pod>(&self, name: &str) -> Result<&[T]> {
+        self.registry.block(name)
+    }
+
+    /// This rank's block of a distributed item, writable.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// No such item, or it holds another type.
+    pub fn block_mut<T: Pod>(&mut self, name: &str) -> Result<&mut [T]> {
+        self.registry.block_mut(name)
+    }
+
+    /// The global range of elements this rank holds of a distributed item.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// No such item.
+    pub fn block_range(&self, name: &str) -> Result<std::ops::Range<u64>> {
+        let n = self.registry.global_len(name)?;
+        Ok(ductile_redistrib::block_range(n, self.world.size() as u32, self.world.rank() as u32))
+    }
+
+    /// Registers or updates replicated state (the same on every rank, e.g. the iteration
+    /// counter); a process that joins receives rank 0's value.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// The value does not encode, or the name is a distributed item.
+    pub fn replicate<S: Serialize>(&mut self, name: &str, value: &S) -> Result<()> {
+        self.registry.replicate(name, value)
+    }
+
+    /// Replicated state by name.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// No such item, or it does not decode as `S`.
+    pub fn replicated<S: DeserializeOwned>(&self, name: &str) -> Result<S> {
+        self.registry.replicated(name)
+    }
+
+    /// Removes a registered item.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// No such item.
+    pub fn unregister(&mut self, name: &str) -> Result<()> {
+        self.registry.unregister(name)
     }
 
     /// The address this process's endpoint listens on (for diagnostics and tests).
@@ -253,14 +717,18 @@ impl Session {
     }
 
     /// Leaves the job: waits for every rank (a barrier), says goodbye to connected
-    /// peers and tells the agent.
+    /// peers and tells the agent. A process released at a checkpoint leaves without the
+    /// barrier (the change already synchronised it).
     ///
     /// # Collective
+    /// Every rank of the world (or a released process on its own).
     ///
     /// # Errors
     /// The barrier failed (a peer is gone or silent past the timeout).
     pub fn finalize(mut self) -> Result<()> {
-        self.world.barrier()?;
+        if !self.released {
+            self.world.barrier()?;
+        }
         let t = self.endpoint.transport().clone();
         // Goodbyes are bounded by the transport's own timeouts; the group's timeout
         // bounds the whole call as well.

@@ -3,11 +3,17 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// The rank of a process in a job's endpoint table (its transport address).
+/// A process's endpoint id in a job: its index in the job's address table and the
+/// identity it authenticates with. Ids are handed out once per job and never reused, so
+/// they stay stable across reconfigurations while group ranks (positions in a group)
+/// change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Rank(pub u32);
 
 impl Rank {
+    /// The largest endpoint id a job may hand out.
+    pub const MAX_ID: u32 = (1 << 24) - 1;
+
     /// The rank as an index into tables.
     #[must_use]
     pub fn index(self) -> usize {
@@ -79,6 +85,15 @@ impl JobId {
 impl fmt::Display for JobId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:016x}", self.0)
+    }
+}
+
+impl std::str::FromStr for JobId {
+    type Err = std::num::ParseIntError;
+
+    /// Parses the hexadecimal form [`fmt::Display`] prints.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        u64::from_str_radix(s, 16).map(Self)
     }
 }
 

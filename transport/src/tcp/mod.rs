@@ -24,7 +24,7 @@ use inbound::Reader;
 use outbound::Outbound;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
@@ -38,7 +38,6 @@ struct Inner {
     me: Identity,
     cfg: TransportConfig,
     local: SocketAddr,
-    size: AtomicU32,
     peers: RwLock<Vec<Option<SocketAddr>>>,
     out: Mutex<HashMap<Rank, Arc<Outbound>>>,
     connecting: Mutex<HashMap<Rank, Arc<tokio::sync::Mutex<()>>>>,
@@ -71,7 +70,6 @@ impl TcpTransport {
             me: setup.identity,
             cfg: setup.config,
             local,
-            size: AtomicU32::new(setup.size),
             peers: RwLock::new(Vec::new()),
             out: Mutex::new(HashMap::new()),
             connecting: Mutex::new(HashMap::new()),
@@ -108,9 +106,11 @@ async fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
 
 async fn serve_inbound(inner: Arc<Inner>, mut stream: TcpStream, from: SocketAddr) {
     let _ = stream.set_nodelay(true);
-    let size = inner.size.load(Ordering::Acquire);
     let me = inner.me.rank;
-    let member = |r: Rank| r.0 < size && r != me;
+    // Any endpoint of the job may connect, including ones that joined in a resize and
+    // are not in this process's table yet: holding the job key (checked by the
+    // handshake) is what makes a peer a member.
+    let member = |r: Rank| r.0 <= Rank::MAX_ID && r != me;
     let peer = match auth::accept(&mut stream, &inner.me, member, inner.cfg.get_handshake_timeout()).await {
         Ok(p) => p,
         Err(e) => {
@@ -231,6 +231,11 @@ impl Transport for TcpTransport {
         let mut parsed = Vec::with_capacity(peers.len());
         for (i, a) in peers.iter().enumerate() {
             let peer = Rank(u32::try_from(i).map_err(|_| TransportError::UnknownPeer(Rank(u32::MAX)))?);
+            if a.0.is_empty() {
+                // An endpoint that has left the job.
+                parsed.push(None);
+                continue;
+            }
             let sa = a.0.parse::<SocketAddr>().map_err(|_| TransportError::BadAddress {
                 transport: NAME,
                 peer,
@@ -238,9 +243,7 @@ impl Transport for TcpTransport {
             })?;
             parsed.push(Some(sa));
         }
-        let n = u32::try_from(parsed.len()).unwrap_or(u32::MAX);
         *self.inner.peers.write().unwrap_or_else(std::sync::PoisonError::into_inner) = parsed;
-        self.inner.size.store(n, Ordering::Release);
         Ok(())
     }
 

@@ -1,0 +1,153 @@
+//! A malleable Jacobi solver of the 1-D heat equation.
+//!
+//! The rod (`--points` values, block-distributed) is registered with the session, as is
+//! the iteration counter; every `--every` iterations the job reaches a checkpoint where
+//! the launcher may grow or shrink it. The registry moves the data; processes that join
+//! pick up the counter and their block; released ones leave. The checksum at the end
+//! (a wrapping sum of the values' bit patterns, so it does not depend on the order of
+//! summation) equals that of a run of the same parameters on any fixed number of
+//! processes.
+//!
+//! ```text
+//! ductile run --nodes 1 --slots 2 --policy steps:2,8,4,1 -- target/release/examples/jacobi
+//! ```
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use ductile::{Checkpoint, Group, ReduceOp, Session};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Command line of the example.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Points of the rod.
+    #[arg(long, default_value_t = 1 << 20)]
+    points: u64,
+    /// Iterations.
+    #[arg(long, default_value_t = 200)]
+    iters: u64,
+    /// Iterations between checkpoints.
+    #[arg(long, default_value_t = 25)]
+    every: u64,
+    /// Use background checkpoints (new processes start while the solver computes).
+    #[arg(long)]
+    background: bool,
+    /// After each change, rank 0 prints `HOLD <epoch>` and waits for the file
+    /// `<DIR>/go-<epoch>` (for tests that inspect the job in between).
+    #[arg(long, value_name = "DIR")]
+    hold: Option<PathBuf>,
+}
+
+const TAG_TO_LEFT: u32 = 1;
+const TAG_TO_RIGHT: u32 = 2;
+
+/// The initial temperature at point `g` of `n`: a smooth bump plus a sharp step, fixed
+/// at zero on both ends.
+fn initial(g: u64, n: u64) -> f64 {
+    let x = g as f64 / (n - 1) as f64;
+    let bump = (std::f64::consts::PI * x).sin();
+    let step = if (0.4..0.6).contains(&x) { 1.0 } else { 0.0 };
+    bump + step
+}
+
+/// One Jacobi sweep over this rank's block `u` (global elements `start..start+len`).
+fn sweep(world: &Group, u: &mut [f64], start: u64, n: u64) -> ductile::Result<()> {
+    let (r, p) = (world.rank(), world.size());
+    if r > 0 {
+        world.send(r - 1, TAG_TO_LEFT, &u[..1])?;
+    }
+    if r + 1 < p {
+        world.send(r + 1, TAG_TO_RIGHT, &u[u.len() - 1..])?;
+    }
+    let left = if r > 0 { world.recv::<f64>(Some(r - 1), Some(TAG_TO_RIGHT))?.0[0] } else { 0.0 };
+    let right = if r + 1 < p { world.recv::<f64>(Some(r + 1), Some(TAG_TO_LEFT))?.0[0] } else { 0.0 };
+    let old = u.to_vec();
+    let last = old.len() - 1;
+    for (i, v) in u.iter_mut().enumerate() {
+        let g = start + i as u64;
+        if g == 0 || g == n - 1 {
+            continue;
+        }
+        let l = if i == 0 { left } else { old[i - 1] };
+        let rr = if i == last { right } else { old[i + 1] };
+        *v = old[i] + 0.25 * (l - 2.0 * old[i] + rr);
+    }
+    Ok(())
+}
+
+fn hold(s: &Session, dir: &Path) -> anyhow::Result<()> {
+    if s.world().rank() == 0 {
+        println!("HOLD {} {}", s.epoch(), s.world().size());
+        let go = dir.join(format!("go-{}", s.epoch()));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !go.exists() {
+            if Instant::now() > deadline {
+                bail!("{} did not appear within 60 s", go.display());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    s.world().barrier()?;
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let mut s = ductile::init()?;
+    let n = args.points;
+    if n < 3 || n < s.world().size() as u64 * 2 {
+        bail!("--points must be at least 3 and twice the number of processes");
+    }
+    let mut it: u64 = if s.joined().is_some() {
+        s.replicated("iter").context("a joining process gets the iteration counter")?
+    } else {
+        let r = s.world();
+        let range = ductile::block_range(n, r.size() as u32, r.rank() as u32);
+        let block: Vec<f64> = range.map(|g| initial(g, n)).collect();
+        s.distribute("u", n, &block)?;
+        s.replicate("iter", &0u64)?;
+        0
+    };
+    let started = Instant::now();
+    while it < args.iters {
+        let world = s.world().clone();
+        let start = s.block_range("u")?.start;
+        sweep(&world, s.block_mut::<f64>("u")?, start, n)?;
+        it += 1;
+        if !it.is_multiple_of(args.every) || it == args.iters {
+            continue;
+        }
+        s.replicate("iter", &it)?;
+        let before = s.world().size();
+        let cp = if args.background { s.checkpoint_background()? } else { s.checkpoint()? };
+        match cp {
+            Checkpoint::Released(_) => return Ok(s.finalize()?),
+            Checkpoint::Resized(r) => {
+                if s.world().rank() == 0 {
+                    println!(
+                        "jacobi: iteration {it}: {before} -> {} processes on {} nodes",
+                        r.new_size,
+                        s.info().nodes
+                    );
+                }
+                if let Some(dir) = &args.hold {
+                    hold(&s, dir)?;
+                }
+            }
+            _ => {}
+        }
+    }
+    let mine: u64 = s.block::<f64>("u")?.iter().fold(0u64, |a, v| a.wrapping_add(v.to_bits()));
+    let world = s.world().clone();
+    let sum = world.allreduce(&[mine], ReduceOp::Sum)?[0];
+    let max = world.allreduce(&[s.block::<f64>("u")?.iter().fold(0.0f64, |a, &v| a.max(v))], ReduceOp::Max)?[0];
+    if world.rank() == 0 {
+        println!(
+            "jacobi: points {n} iterations {it} processes {} max {max:.12} checksum {sum:016x} ({:.2} s)",
+            world.size(),
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(s.finalize()?)
+}

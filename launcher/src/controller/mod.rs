@@ -1,0 +1,541 @@
+//! The job controller (`ductile run`): places ranks, starts one agent per node, runs the
+//! bootstrap fence, serves the job's control socket, carries out reconfigurations at
+//! the ranks' checkpoints ([`reconfig`]), watches the job, and ends it as a whole on the
+//! first failure, on Ctrl-C/SIGTERM, or at `--timeout`.
+
+mod reconfig;
+pub mod socket;
+
+use crate::layout::Layout;
+use crate::membership::JobState;
+use crate::plan::spawn::{Method, Strategy};
+use crate::policy::{self, Bounds, PolicySpec, ResourceManager};
+use crate::proto::{AgentHandoff, Exit, FromAgent, RankStarted, ToAgent, Token, AGENT_VERSION};
+use crate::report::{self, NodeReport, Report};
+use crate::spawn::{signal_group, spawn_with_channel, Output};
+use ductile::bootstrap::nonblocking;
+use ductile_transport::{EndpointAddr, JobId, JobKey, NodeId, Rank};
+use reconfig::{Deferred, InFlight, Queued};
+use socket::Arrival;
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::UnixStream;
+use tokio::process::Child;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::mpsc;
+
+/// Default timeout of every wait inside ranks, when `--timeout` is not given.
+pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(300);
+/// How much longer than `--timeout` the waits inside ranks are bounded.
+pub const WAIT_MARGIN: Duration = Duration::from_secs(10);
+/// Longest time the start-up fence, or the start of new node worlds, may take.
+pub const MAX_FENCE: Duration = Duration::from_secs(60);
+/// Time agents get to end their node worlds before their process groups are killed.
+pub const ABORT_GRACE: Duration = Duration::from_secs(5);
+/// Exit code when `--timeout` ends the job.
+pub const TIMEOUT_EXIT: i32 = 124;
+
+/// What `ductile run` was asked to do.
+#[derive(Clone, Debug)]
+pub struct JobSpec {
+    /// Rank placement at start.
+    pub layout: Layout,
+    /// Slots of every node of the pool (its length is the pool's size).
+    pub slots: Vec<u32>,
+    /// Node-count bounds.
+    pub bounds: Bounds,
+    /// Resource-change policy.
+    pub policy: PolicySpec,
+    /// Checkpoints between change points of the policy.
+    pub period: u64,
+    /// Growth method.
+    pub method: Method,
+    /// Spawn strategy.
+    pub strategy: Strategy,
+    /// Absolute path of the program.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Prefix output with `[rank]`.
+    pub tag_output: bool,
+    /// Wall-clock limit of the job.
+    pub timeout: Option<Duration>,
+    /// Transport backend.
+    pub transport: String,
+    /// Where to write the JSON report.
+    pub report: Option<PathBuf>,
+}
+
+/// One node world, from the controller's side.
+struct AgentConn {
+    node: NodeId,
+    pid: u32,
+    /// Set for agents the controller started itself.
+    child: Option<Child>,
+    tx: Option<OwnedWriteHalf>,
+    /// Ranks it started.
+    started: Vec<RankStarted>,
+    /// Ranks still running.
+    live: HashSet<Rank>,
+    done: bool,
+    joined_epoch: u64,
+    released_epoch: Option<u64>,
+    /// The token an agent started by a resize must present.
+    token: Option<Token>,
+}
+
+enum Event {
+    Msg(usize, FromAgent),
+    Lost(usize, String),
+    Arrival(Arrival),
+}
+
+/// Why the job ended early.
+enum Ending {
+    Rank(String, NodeId, Exit),
+    Node(NodeId, String),
+    Reconfig(String),
+    Timeout(Duration),
+    Signal(i32),
+}
+
+impl Ending {
+    fn code(&self) -> i32 {
+        match self {
+            Self::Rank(_, _, e) => e.code(),
+            Self::Node(..) | Self::Reconfig(_) => 1,
+            Self::Timeout(_) => TIMEOUT_EXIT,
+            Self::Signal(s) => 128 + s,
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Self::Rank(r, n, e) => format!("{r} on {n} {e}; ending the job"),
+            Self::Node(n, why) => format!("{n} failed: {why}; ending the job"),
+            Self::Reconfig(why) => format!("{why}; ending the job"),
+            Self::Timeout(t) => format!("the job ran past --timeout {}s; ending it", t.as_secs()),
+            Self::Signal(s) => format!("received signal {s}; ending the job"),
+        }
+    }
+}
+
+/// The controller's state.
+pub(crate) struct Ctl {
+    spec: JobSpec,
+    job: JobId,
+    key: JobKey,
+    socket: PathBuf,
+    agents: Vec<AgentConn>,
+    /// Agent hosting each endpoint id.
+    host: HashMap<Rank, usize>,
+    state: JobState,
+    policy: Box<dyn ResourceManager>,
+    flight: Option<InFlight>,
+    deferred: Option<Deferred>,
+    queued: Option<Queued>,
+    done: Vec<report::Reconfiguration>,
+    events: mpsc::UnboundedSender<Event>,
+    ending: Option<Ending>,
+    wait_timeout: Duration,
+    fence_limit: Duration,
+}
+
+/// Reads an agent's messages into the event channel.
+fn watch(events: &mpsc::UnboundedSender<Event>, idx: usize, mut rx: OwnedReadHalf) {
+    let evs = events.clone();
+    tokio::spawn(async move {
+        loop {
+            match nonblocking::read_msg::<FromAgent>(&mut rx).await {
+                Ok(m) => {
+                    let last = matches!(m, FromAgent::Done);
+                    let _ = evs.send(Event::Msg(idx, m));
+                    if last {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    let _ = evs.send(Event::Lost(idx, format!("its agent is gone ({e})")));
+                    return;
+                }
+            }
+        }
+    });
+}
+
+/// Makes this process the reaper of orphaned descendants: agents started by other
+/// agents outlive their spawner when it is released, and must still be reaped here.
+fn become_subreaper() {
+    // SAFETY: prctl with PR_SET_CHILD_SUBREAPER only sets a flag on this process.
+    let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) };
+    if rc != 0 {
+        tracing::warn!("cannot become a subreaper: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// Reaps `pid` if it is an orphan that was reparented here; gives up after `grace` (or
+/// at once when it is someone else's child, whose parent reaps it).
+async fn reap_orphan(pid: u32, grace: Duration) {
+    let Ok(p) = i32::try_from(pid) else { return };
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline {
+        // SAFETY: waitpid on one pid with WNOHANG; the status pointer may be null.
+        let rc = unsafe { libc::waitpid(p, std::ptr::null_mut(), libc::WNOHANG) };
+        if rc != 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Runs the job; returns the exit code for `ductile run`.
+///
+/// # Errors
+/// Failures of the launcher itself (random source, sockets, spawning an agent).
+pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
+    let started = Instant::now();
+    become_subreaper();
+    let job = JobId::random()?;
+    let key = JobKey::random()?;
+    // Ranks' waits outlast the job's own limit a little, so that when --timeout ends
+    // the job, the controller's message (not a rank's timeout) says why.
+    let wait_timeout = spec.timeout.map_or(DEFAULT_WAIT_TIMEOUT, |t| t + WAIT_MARGIN);
+    let fence_limit = spec.timeout.unwrap_or(DEFAULT_WAIT_TIMEOUT).min(MAX_FENCE);
+    let (ev_tx, mut events) = mpsc::unbounded_channel();
+    let (arr_tx, mut arrivals) = mpsc::unbounded_channel();
+    let socket = socket::serve(job, arr_tx)?;
+    let fwd = ev_tx.clone();
+    tokio::spawn(async move {
+        while let Some(a) = arrivals.recv().await {
+            if fwd.send(Event::Arrival(a)).is_err() {
+                return;
+            }
+        }
+    });
+    eprintln!("ductile: job {job}, control socket {}", socket.display());
+    let nodes: Vec<NodeId> = spec.layout.nodes.iter().flat_map(|n| n.ranks.clone().map(move |_| n.node)).collect();
+    let state = JobState::initial(nodes, Vec::new(), spec.slots.clone());
+    let policy = policy::build(&spec.policy, spec.period, spec.bounds);
+    let mut ctl = Ctl {
+        spec,
+        job,
+        key,
+        socket,
+        agents: Vec::new(),
+        host: HashMap::new(),
+        state,
+        policy,
+        flight: None,
+        deferred: None,
+        queued: None,
+        done: Vec::new(),
+        events: ev_tx,
+        ending: None,
+        wait_timeout,
+        fence_limit,
+    };
+    let result = ctl.start().await;
+    if let Err(e) = result {
+        ctl.ending = Some(Ending::Reconfig(format!("cannot start the job: {e:#}")));
+    }
+    ctl.main_loop(&mut events).await?;
+    let code = ctl.finish().await;
+    let _ = std::fs::remove_file(&ctl.socket);
+    if let Some(path) = &ctl.spec.report {
+        if let Err(e) = ctl.report(code, started).write(path) {
+            eprintln!("ductile: cannot write the report to {}: {e}", path.display());
+        }
+    }
+    Ok(code)
+}
+
+impl Ctl {
+    fn handoff(&self, node: NodeId, ids: Vec<Rank>) -> AgentHandoff {
+        AgentHandoff {
+            version: AGENT_VERSION,
+            job: self.job,
+            key: self.key.clone(),
+            node,
+            ids,
+            program: self.spec.program.to_string_lossy().into_owned(),
+            args: self.spec.args.clone(),
+            transport: self.spec.transport.clone(),
+            timeout_ms: u64::try_from(self.wait_timeout.as_millis()).unwrap_or(u64::MAX),
+            join_timeout_ms: u64::try_from(self.fence_limit.as_millis()).unwrap_or(u64::MAX) / 5 * 4,
+            tag_output: self.spec.tag_output,
+            socket: self.socket.to_string_lossy().into_owned(),
+            joining: None,
+        }
+    }
+
+    /// Starts the agents of the initial layout.
+    async fn start(&mut self) -> anyhow::Result<()> {
+        let exe = std::env::current_exe()?;
+        for plan in self.spec.layout.nodes.clone() {
+            let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
+            let child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, Output::Inherit, true)?;
+            drop(theirs);
+            ours.set_nonblocking(true)?;
+            let (rx, mut tx) = UnixStream::from_std(ours)?.into_split();
+            let h = self.handoff(plan.node, plan.rank_ids().collect());
+            nonblocking::write_msg(&mut tx, &ToAgent::Handoff(h)).await?;
+            let idx = self.agents.len();
+            watch(&self.events, idx, rx);
+            for id in plan.rank_ids() {
+                self.host.insert(id, idx);
+            }
+            self.agents.push(AgentConn {
+                node: plan.node,
+                pid: child.id().unwrap_or(0),
+                child: Some(child),
+                tx: Some(tx),
+                started: Vec::new(),
+                live: HashSet::new(),
+                done: false,
+                joined_epoch: 0,
+                released_epoch: None,
+                token: None,
+            });
+        }
+        tracing::info!("job {}: {} ranks on {} nodes", self.job, self.state.ranks.len(), self.agents.len());
+        Ok(())
+    }
+
+    /// Sends to agent `a`; a failure ends the job.
+    async fn send(&mut self, a: usize, msg: &ToAgent) {
+        let ag = &mut self.agents[a];
+        let res = match ag.tx.as_mut() {
+            Some(tx) => nonblocking::write_msg(tx, msg).await.map_err(|e| e.to_string()),
+            None => Err("it is not connected".to_string()),
+        };
+        if let Err(e) = res {
+            if self.ending.is_none() {
+                self.ending = Some(Ending::Node(ag.node, format!("cannot reach its agent ({e})")));
+            }
+        }
+    }
+
+    /// Describes endpoint `id` for messages: its current rank, if it has one.
+    fn who(&self, id: Rank) -> String {
+        match self.state.ranks.iter().position(|r| *r == id) {
+            Some(r) if r as u32 == id.0 => format!("rank {r}"),
+            Some(r) => format!("rank {r} (endpoint {})", id.0),
+            None => format!("process {} (released)", id.0),
+        }
+    }
+
+    async fn main_loop(&mut self, events: &mut mpsc::UnboundedReceiver<Event>) -> anyhow::Result<()> {
+        let mut sigint = signal(SignalKind::interrupt())?;
+        let mut sigterm = signal(SignalKind::terminate())?;
+        let job_deadline = self.spec.timeout.map(|t| tokio::time::Instant::now() + t);
+        let fence_deadline = tokio::time::Instant::now() + self.fence_limit;
+        let initial = self.agents.len();
+        let mut fenced = false;
+        loop {
+            if !fenced && self.agents.iter().take(initial).all(|a| !a.started.is_empty()) {
+                self.fence().await;
+                fenced = true;
+            }
+            if self.ending.is_some() || self.agents.iter().all(|a| a.done) {
+                break;
+            }
+            let mut limit = job_deadline;
+            let mut phase = if fenced { None } else { Some(fence_deadline) };
+            if let Some(f) = &self.flight {
+                phase = Some(tokio::time::Instant::from_std(f.deadline));
+            }
+            if let Some(p) = phase {
+                limit = Some(limit.map_or(p, |l| l.min(p)));
+            }
+            let sleep = async {
+                match limit {
+                    Some(l) => tokio::time::sleep_until(l).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                ev = events.recv() => match ev {
+                    Some(ev) => self.on_event(ev).await,
+                    None => break,
+                },
+                _ = sigint.recv() => self.ending = Some(Ending::Signal(libc::SIGINT)),
+                _ = sigterm.recv() => self.ending = Some(Ending::Signal(libc::SIGTERM)),
+                () = sleep => {
+                    let now = tokio::time::Instant::now();
+                    if let (Some(d), Some(t)) = (job_deadline, self.spec.timeout) {
+                        if d <= now {
+                            self.ending = Some(Ending::Timeout(t));
+                            continue;
+                        }
+                    }
+                    if !fenced {
+                        let n = self.agents.iter().find(|a| a.started.is_empty()).map_or(NodeId(0), |a| a.node);
+                        self.ending = Some(Ending::Node(n, format!("did not start within {:?}", self.fence_limit)));
+                    } else {
+                        self.flight_deadline().await;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends the job's first membership to every agent.
+    async fn fence(&mut self) {
+        let mut addrs = vec![EndpointAddr(String::new()); self.state.ranks.len()];
+        for a in &self.agents {
+            for r in &a.started {
+                if let Some(slot) = addrs.get_mut(r.id.index()) {
+                    *slot = r.addr.clone();
+                }
+            }
+        }
+        self.state.addrs = addrs;
+        let m = ToAgent::Membership(self.state.membership());
+        for a in 0..self.agents.len() {
+            self.send(a, &m).await;
+        }
+        tracing::debug!("job {}: fence complete", self.job);
+    }
+
+    async fn on_event(&mut self, ev: Event) {
+        match ev {
+            Event::Msg(a, m) => self.on_agent(a, m).await,
+            Event::Lost(a, why) => {
+                let ag = &mut self.agents[a];
+                if ag.done {
+                    return;
+                }
+                if ag.live.is_empty() && !ag.started.is_empty() {
+                    // Its ranks are gone and so is it: a released node world.
+                    ag.done = true;
+                    self.after_exit().await;
+                    return;
+                }
+                if self.ending.is_none() {
+                    self.ending = Some(Ending::Node(ag.node, why));
+                }
+            }
+            Event::Arrival(Arrival::Agent { node, token, pid, rx, tx }) => self.on_hello(node, &token, pid, rx, tx),
+            Event::Arrival(Arrival::Resize { target, reply }) => self.on_resize_request(target, reply).await,
+        }
+    }
+
+    async fn on_agent(&mut self, a: usize, m: FromAgent) {
+        match m {
+            FromAgent::Ready(ranks) => {
+                let ag = &mut self.agents[a];
+                ag.live = ranks.iter().map(|r| r.id).collect();
+                ag.started = ranks;
+            }
+            FromAgent::Grown(nodes) => self.on_grown(nodes).await,
+            FromAgent::Rank(id, msg) => self.on_rank(a, id, msg).await,
+            FromAgent::RankExited { rank, exit } => {
+                self.agents[a].live.remove(&rank);
+                let released = self.is_releasing(rank);
+                if exit != Exit::Code(0) && !self.ended_by_us(rank) && self.ending.is_none() {
+                    let who = self.who(rank);
+                    let who = if released { format!("{who}, while leaving in a shrink,") } else { who };
+                    self.ending = Some(Ending::Rank(who, self.agents[a].node, exit));
+                }
+                self.after_exit().await;
+            }
+            FromAgent::Failed(why) => {
+                if self.ending.is_none() {
+                    self.ending = Some(Ending::Node(self.agents[a].node, why));
+                }
+            }
+            FromAgent::Done => {
+                let ag = &mut self.agents[a];
+                ag.done = true;
+                if ag.child.is_none() {
+                    tokio::spawn(reap_orphan(ag.pid, ABORT_GRACE));
+                }
+                self.after_exit().await;
+            }
+        }
+    }
+
+    /// Ends the job: aborts every agent on failure, or waits for them to exit.
+    async fn finish(&mut self) -> i32 {
+        let code = match &self.ending {
+            Some(e) => {
+                eprintln!("ductile: {}", e.describe());
+                if let Some(f) = self.flight.take() {
+                    f.fail(&e.describe());
+                }
+                for a in 0..self.agents.len() {
+                    if !self.agents[a].done {
+                        if let Some(tx) = self.agents[a].tx.as_mut() {
+                            let _ = nonblocking::write_msg(tx, &ToAgent::Abort).await;
+                        }
+                    }
+                }
+                e.code()
+            }
+            None => 0,
+        };
+        if let Some(q) = self.queued.take() {
+            q.refuse("the job ended before its next checkpoint");
+        }
+        self.reap(ABORT_GRACE).await;
+        for a in &self.agents {
+            // Sweep anything a rank left behind in its node's process group.
+            signal_group(a.pid, libc::SIGKILL);
+        }
+        if !self.done.is_empty() {
+            eprint!("ductile: reconfigurations of job {}:\n{}", self.job, report::table(&self.done));
+        }
+        code
+    }
+
+    /// Waits for every agent to exit within `grace`, then kills the process groups of
+    /// the ones still running and waits for them.
+    async fn reap(&mut self, grace: Duration) {
+        let deadline = tokio::time::Instant::now() + grace;
+        for a in &mut self.agents {
+            let Some(child) = a.child.as_mut() else {
+                if a.pid != 0 {
+                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    reap_orphan(a.pid, left).await;
+                    signal_group(a.pid, libc::SIGKILL);
+                    reap_orphan(a.pid, Duration::from_millis(200)).await;
+                }
+                continue;
+            };
+            if tokio::time::timeout_at(deadline, child.wait()).await.is_err() {
+                tracing::warn!("agent of {} did not exit in time; killing its node world", a.node);
+                signal_group(a.pid, libc::SIGKILL);
+                let _ = tokio::time::timeout(grace, child.wait()).await;
+            }
+        }
+    }
+
+    fn report(&self, code: i32, started: Instant) -> Report {
+        Report {
+            job: self.job.to_string(),
+            control_socket: self.socket.display().to_string(),
+            program: self.spec.program.display().to_string(),
+            size: self.spec.layout.size(),
+            final_size: self.state.ranks.len() as u32,
+            exit_code: code,
+            failure: self.ending.as_ref().map(Ending::describe),
+            wall_ms: started.elapsed().as_secs_f64() * 1e3,
+            nodes: self
+                .agents
+                .iter()
+                .map(|a| NodeReport {
+                    node: a.node.0,
+                    agent_pid: a.pid,
+                    ranks: a.started.iter().map(|r| r.id.0).collect(),
+                    pids: a.started.iter().map(|r| r.pid).collect(),
+                    joined_epoch: a.joined_epoch,
+                    released_epoch: a.released_epoch,
+                })
+                .collect(),
+            reconfigurations: self.done.clone(),
+        }
+    }
+}

@@ -1,0 +1,494 @@
+//! Reconfigurations, driven by the ranks' checkpoints.
+//!
+//! Rank 0 reports each checkpoint; the controller decides (a queued `ductile resize`,
+//! the application's own request, or the policy), plans with the pure planners, and
+//! carries the change out in phases, each with a deadline:
+//!
+//! 1. **spawn** (growth): `Grow` orders go to the agents hosting the spawning ranks;
+//!    the new node worlds start along the spawn tree and report back up it; each new
+//!    agent also connects to the control socket with its token;
+//! 2. **switch**: the [`Change`] goes to rank 0 (which passes it to the old group) and to
+//!    every new process; the ranks move the registered data and the new rank 0 reports
+//!    `Switched` with the phase times measured inside the ranks;
+//! 3. **release** (shrink): released processes leave, then their agents; stragglers are
+//!    ended after [`RELEASE_GRACE`].
+//!
+//! A checkpoint that arrives while a change is under way is answered when it is done.
+
+use super::{AgentConn, Ctl, Ending};
+use crate::membership::GrowOrders;
+use crate::plan::resize::{plan_resize, Resize, Target};
+use crate::plan::shrink::ShrinkPlan;
+use crate::plan::spawn::{plan_expansion, Method, SpawnPlan, Strategy};
+use crate::proto::{NodeStarted, ResizeReply, SpawnOrder, ToAgent, Token};
+use crate::report::{Phases, Reconfiguration};
+use ductile::bootstrap::{Change, CheckpointMode, Decision, FromRank, SwitchTimes, ToRank};
+use ductile_transport::{NodeId, Rank};
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::mpsc;
+
+/// Time released processes get to leave after the switch before they are ended.
+pub const RELEASE_GRACE: Duration = Duration::from_secs(5);
+
+/// A resize asked for on the control socket, waiting for a checkpoint.
+pub struct Queued {
+    target: Target,
+    reply: mpsc::UnboundedSender<ResizeReply>,
+}
+
+impl Queued {
+    pub fn refuse(self, why: &str) {
+        let _ = self.reply.send(ResizeReply::Refused(why.to_string()));
+    }
+}
+
+/// A checkpoint to answer once the change under way is done.
+pub struct Deferred {
+    agent: usize,
+    id: Rank,
+    count: u64,
+    mode: CheckpointMode,
+    want: Option<u32>,
+}
+
+enum Phase {
+    Spawning { pending: usize, started: Vec<NodeStarted>, plan: SpawnPlan, orders: GrowOrders },
+    Switching,
+    Releasing { ended: bool },
+}
+
+/// The change under way.
+pub struct InFlight {
+    seq: u32,
+    phase: Phase,
+    pub deadline: Instant,
+    trigger: &'static str,
+    reply: Option<mpsc::UnboundedSender<ResizeReply>>,
+    /// Agent and endpoint of the rank 0 that asked.
+    root: (usize, Rank),
+    mode: CheckpointMode,
+    grow: Option<(Method, Strategy, u32)>,
+    before: (u32, u32),
+    after: (u32, u32),
+    added_nodes: Vec<u32>,
+    released_nodes: Vec<u32>,
+    /// Processes that must leave.
+    leaving: HashSet<Rank>,
+    /// Processes this controller ended because they did not leave in time.
+    ended: HashSet<Rank>,
+    root_takeover: bool,
+    t_checkpoint: Instant,
+    t_decided: Instant,
+    t_gathered: Option<Instant>,
+    t_switched: Option<Instant>,
+    times: SwitchTimes,
+    /// New agents by token.
+    tokens: HashMap<usize, Token>,
+}
+
+impl InFlight {
+    /// The job failed while this change was under way.
+    pub fn fail(self, why: &str) {
+        if let Some(r) = self.reply {
+            let _ = r.send(ResizeReply::Failed(why.to_string()));
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+impl Ctl {
+    pub(super) fn is_releasing(&self, id: Rank) -> bool {
+        self.flight.as_ref().is_some_and(|f| f.leaving.contains(&id))
+    }
+
+    pub(super) fn ended_by_us(&self, id: Rank) -> bool {
+        self.flight.as_ref().is_some_and(|f| f.ended.contains(&id))
+    }
+
+    pub(super) async fn on_rank(&mut self, a: usize, id: Rank, msg: FromRank) {
+        match msg {
+            FromRank::Checkpoint { epoch, count, mode, want_procs } => {
+                if id != self.state.ranks[0] || epoch != self.state.epoch && self.flight.is_none() {
+                    tracing::warn!("checkpoint from {id} at epoch {epoch} ignored (rank 0 is {})", self.state.ranks[0]);
+                    return;
+                }
+                let d = Deferred { agent: a, id, count, mode, want: want_procs };
+                if self.flight.is_some() {
+                    self.deferred = Some(d);
+                } else {
+                    self.decide(d).await;
+                }
+            }
+            FromRank::Switched { epoch, times } => self.on_switched(epoch, times).await,
+            other => tracing::warn!("unexpected {other:?} from {id}"),
+        }
+    }
+
+    async fn answer(&mut self, d: &Deferred, decision: Decision) {
+        self.send(d.agent, &ToAgent::ToRank(d.id, ToRank::Decision(decision))).await;
+    }
+
+    /// Decides what checkpoint `d` brings, and starts it.
+    async fn decide(&mut self, d: Deferred) {
+        let t_checkpoint = Instant::now();
+        let (target, trigger, reply) = if let Some(q) = self.queued.take() {
+            (Some(q.target), "resize", Some(q.reply))
+        } else if let Some(p) = d.want {
+            (Some(Target::Procs(p)), "application", None)
+        } else {
+            (self.policy.decide(d.count, self.state.node_count()).map(Target::Nodes), "policy", None)
+        };
+        let Some(target) = target else {
+            return self.answer(&d, Decision::Continue).await;
+        };
+        let refuse = |why: String, reply: Option<mpsc::UnboundedSender<ResizeReply>>| match reply {
+            Some(r) => {
+                let _ = r.send(ResizeReply::Refused(why));
+            }
+            None => tracing::warn!("resize to {target} ({trigger}) refused: {why}"),
+        };
+        let plan = match plan_resize(&self.state.allocation(), target, &self.spec.bounds) {
+            Err(e) => {
+                refuse(e.to_string(), reply);
+                return self.answer(&d, Decision::Continue).await;
+            }
+            Ok(Resize::Same) => {
+                if let Some(r) = reply {
+                    let _ = r.send(ResizeReply::Done(format!("the job already has {target}")));
+                }
+                return self.answer(&d, Decision::Continue).await;
+            }
+            Ok(Resize::Shrink(s)) => Plan::Shrink(s),
+            Ok(Resize::Grow { running, target: t }) => {
+                match plan_expansion(self.spec.method, self.spec.strategy, &running, &t) {
+                    Ok(p) => Plan::Grow(p),
+                    Err(e) => {
+                        refuse(e.to_string(), reply);
+                        return self.answer(&d, Decision::Continue).await;
+                    }
+                }
+            }
+        };
+        let before = (self.state.ranks.len() as u32, self.state.node_count());
+        let mut f = InFlight {
+            seq: self.state.changes + 1,
+            phase: Phase::Switching,
+            deadline: Instant::now() + self.wait_timeout,
+            trigger,
+            reply,
+            root: (d.agent, d.id),
+            mode: d.mode,
+            grow: None,
+            before,
+            after: before,
+            added_nodes: Vec::new(),
+            released_nodes: Vec::new(),
+            leaving: HashSet::new(),
+            ended: HashSet::new(),
+            root_takeover: false,
+            t_checkpoint,
+            t_decided: Instant::now(),
+            t_gathered: None,
+            t_switched: None,
+            times: SwitchTimes::default(),
+            tokens: HashMap::new(),
+        };
+        match plan {
+            Plan::Shrink(s) => {
+                let (change, next) = self.state.after_shrink(&s);
+                f.released_nodes = s.released_nodes.iter().map(|&n| n as u32).collect();
+                self.state = next;
+                self.flight = Some(f);
+                self.switch(change).await;
+            }
+            Plan::Grow(p) => self.start_growth(f, p).await,
+        }
+    }
+
+    /// Sends the growth's orders to the agents of the spawning ranks.
+    async fn start_growth(&mut self, mut f: InFlight, plan: SpawnPlan) {
+        let mut tokens = Vec::with_capacity(plan.actions.len());
+        for _ in &plan.actions {
+            match Token::random() {
+                Ok(t) => tokens.push(t),
+                Err(e) => {
+                    self.ending = Some(Ending::Reconfig(format!("random source failed: {e}")));
+                    return;
+                }
+            }
+        }
+        let mut next = tokens.clone().into_iter();
+        let orders = self.state.grow_orders(&plan, || next.next().unwrap_or(Token([0; 32])));
+        // One agent entry per new node world; it connects later with its token.
+        let epoch = self.state.epoch + 1;
+        for (g, node) in orders.group_nodes.iter().enumerate() {
+            let idx = self.agents.len();
+            for id in &orders.group_ids[g] {
+                self.host.insert(*id, idx);
+            }
+            f.tokens.insert(idx, tokens[g].clone());
+            self.agents.push(AgentConn {
+                node: *node,
+                pid: 0,
+                child: None,
+                tx: None,
+                started: Vec::new(),
+                live: HashSet::new(),
+                done: false,
+                joined_epoch: epoch,
+                released_epoch: None,
+                token: Some(tokens[g].clone()),
+            });
+        }
+        let mut per_agent: HashMap<usize, Vec<SpawnOrder>> = HashMap::new();
+        for (spawner, o) in &orders.roots {
+            if let Some(&a) = self.host.get(spawner) {
+                per_agent.entry(a).or_default().push(o.clone());
+            }
+        }
+        f.grow = Some((plan.method, plan.strategy, plan.step_count()));
+        f.added_nodes = orders.group_nodes.iter().map(|n| n.0).collect();
+        f.deadline = Instant::now() + self.fence_limit;
+        let pending = per_agent.len();
+        let mode = f.mode;
+        let root = f.root;
+        f.phase = Phase::Spawning { pending, started: Vec::new(), plan, orders };
+        self.flight = Some(f);
+        tracing::debug!("growth: orders to {pending} agents");
+        for (a, o) in per_agent {
+            self.send(a, &ToAgent::Grow(o)).await;
+        }
+        if mode == CheckpointMode::Background {
+            self.send(root.0, &ToAgent::ToRank(root.1, ToRank::Decision(Decision::Pending))).await;
+        }
+    }
+
+    pub(super) fn on_hello(&mut self, node: NodeId, token: &Token, pid: u32, rx: OwnedReadHalf, tx: OwnedWriteHalf) {
+        let found = self.flight.as_ref().and_then(|f| {
+            f.tokens.iter().find(|(&a, t)| t.matches(token) && self.agents[a].node == node).map(|(&a, _)| a)
+        });
+        let Some(a) = found else {
+            tracing::warn!("control socket: agent of {node} (pid {pid}) presented an unknown token; refused");
+            return;
+        };
+        if let Some(f) = self.flight.as_mut() {
+            f.tokens.remove(&a);
+        }
+        let ag = &mut self.agents[a];
+        ag.pid = pid;
+        ag.tx = Some(tx);
+        ag.token = None;
+        super::watch(&self.events, a, rx);
+    }
+
+    pub(super) async fn on_grown(&mut self, nodes: Vec<NodeStarted>) {
+        let Some(Phase::Spawning { pending, started, .. }) = self.flight.as_mut().map(|f| &mut f.phase) else {
+            tracing::warn!("growth report outside a growth ignored");
+            return;
+        };
+        started.extend(nodes);
+        *pending = pending.saturating_sub(1);
+        self.after_exit().await;
+    }
+
+    /// Finishes the gather of a growth once every report and every new agent is in.
+    async fn gathered(&mut self) {
+        let Some(f) = self.flight.as_mut() else { return };
+        let Phase::Spawning { pending: 0, .. } = &f.phase else { return };
+        if !f.tokens.is_empty() {
+            return;
+        }
+        let Phase::Spawning { started, plan, orders, .. } = std::mem::replace(&mut f.phase, Phase::Switching) else {
+            return;
+        };
+        f.t_gathered = Some(Instant::now());
+        let (change, next) = match self.state.after_growth(&plan, &orders, &started) {
+            Ok(x) => x,
+            Err(e) => {
+                self.ending = Some(Ending::Reconfig(format!("resize {}: {e}", f.seq)));
+                return;
+            }
+        };
+        for n in &started {
+            if let Some(ag) = self.agents.iter_mut().find(|a| a.pid == n.agent_pid && a.node == n.node) {
+                ag.live = n.ranks.iter().map(|r| r.id).collect();
+                ag.started = n.ranks.clone();
+            }
+        }
+        self.state = next;
+        self.switch(change).await;
+    }
+
+    /// Sends the change to rank 0 and to every new process.
+    async fn switch(&mut self, change: Change) {
+        let Some(f) = self.flight.as_mut() else { return };
+        let old: HashSet<Rank> = change.before.iter().copied().collect();
+        let new: HashSet<Rank> = change.after.ranks.iter().copied().collect();
+        f.leaving = old.difference(&new).copied().collect();
+        f.after = (change.after.ranks.len() as u32, self.state.node_count());
+        f.root_takeover = change.after.ranks[0] != change.before[0];
+        f.deadline = Instant::now() + self.wait_timeout;
+        f.phase = Phase::Switching;
+        let root = f.root;
+        let decision = ToRank::Decision(Decision::Change(change.clone()));
+        for id in change.after.ranks.iter().filter(|r| !old.contains(r)) {
+            if let Some(&a) = self.host.get(id) {
+                self.send(a, &ToAgent::ToRank(*id, decision.clone())).await;
+            }
+        }
+        self.send(root.0, &ToAgent::ToRank(root.1, decision)).await;
+    }
+
+    async fn on_switched(&mut self, epoch: u64, times: SwitchTimes) {
+        let Some(f) = self.flight.as_mut() else {
+            tracing::warn!("switch report outside a change ignored");
+            return;
+        };
+        if epoch != self.state.epoch || !matches!(f.phase, Phase::Switching) {
+            tracing::warn!("switch report for epoch {epoch} ignored");
+            return;
+        }
+        f.t_switched = Some(Instant::now());
+        f.times = times;
+        f.phase = Phase::Releasing { ended: false };
+        f.deadline = Instant::now() + RELEASE_GRACE;
+        self.after_exit().await;
+    }
+
+    /// Checks whether the change under way can move on (after an exit, a report, ...).
+    pub(super) async fn after_exit(&mut self) {
+        let Some(f) = self.flight.as_ref() else { return };
+        match &f.phase {
+            Phase::Spawning { .. } => self.gathered().await,
+            Phase::Switching => {}
+            Phase::Releasing { .. } => {
+                let live: usize = self.agents.iter().map(|a| a.live.intersection(&f.leaving).count()).sum();
+                let agents_left = self
+                    .agents
+                    .iter()
+                    .any(|a| !a.done && !a.started.is_empty() && a.started.iter().all(|r| f.leaving.contains(&r.id)));
+                if live == 0 && !agents_left {
+                    self.complete().await;
+                }
+            }
+        }
+    }
+
+    /// Records the finished change and answers a deferred checkpoint.
+    async fn complete(&mut self) {
+        let Some(f) = self.flight.take() else { return };
+        let now = Instant::now();
+        let epoch = self.state.epoch;
+        for a in &mut self.agents {
+            if a.done && a.released_epoch.is_none() && a.started.iter().all(|r| f.leaving.contains(&r.id)) {
+                a.released_epoch = Some(epoch);
+            }
+        }
+        let switched = f.t_switched.unwrap_or(now);
+        let r = Reconfiguration {
+            seq: f.seq,
+            epoch,
+            kind: if f.after.0 > f.before.0 { "grow" } else { "shrink" },
+            trigger: f.trigger,
+            method: f.grow.map(|(m, ..)| if m == Method::Merge { "merge" } else { "baseline" }),
+            strategy: f.grow.map(|(_, s, _)| if s == Strategy::Parallel { "parallel" } else { "single" }),
+            spawn_steps: f.grow.map_or(0, |g| g.2),
+            procs_before: f.before.0,
+            procs_after: f.after.0,
+            nodes_before: f.before.1,
+            nodes_after: f.after.1,
+            added_nodes: f.added_nodes.clone(),
+            released_nodes: f.released_nodes.clone(),
+            root_takeover: f.root_takeover,
+            phases_ms: Phases {
+                decide: ms(f.t_decided - f.t_checkpoint),
+                spawn: f.t_gathered.map_or(0.0, |g| ms(g - f.t_decided)),
+                connect: f.times.connect_us as f64 / 1e3,
+                redistribute: f.times.redistribute_us as f64 / 1e3,
+                release: ms(now - switched),
+                total: ms(now - f.t_checkpoint),
+            },
+        };
+        tracing::info!("{}", r.summary());
+        if let Some(reply) = &f.reply {
+            let _ = reply.send(ResizeReply::Done(r.summary()));
+        }
+        self.done.push(r);
+        if let Some(d) = self.deferred.take() {
+            self.decide(d).await;
+        }
+    }
+
+    /// A phase ran past its deadline.
+    pub(super) async fn flight_deadline(&mut self) {
+        let Some(f) = self.flight.as_mut() else { return };
+        if Instant::now() < f.deadline {
+            return;
+        }
+        let seq = f.seq;
+        match &mut f.phase {
+            Phase::Spawning { .. } => {
+                let missing: Vec<String> = f.tokens.keys().map(|&a| self.agents[a].node.to_string()).collect();
+                let what = if missing.is_empty() {
+                    "the new node worlds did not all report".to_string()
+                } else {
+                    format!("no agent connected for {}", missing.join(", "))
+                };
+                self.ending = Some(Ending::Reconfig(format!(
+                    "resize {seq}: node worlds did not come up within {:?} ({what})",
+                    self.fence_limit
+                )));
+            }
+            Phase::Switching => {
+                self.ending = Some(Ending::Reconfig(format!(
+                    "resize {seq}: the ranks did not switch to the new group within {:?}",
+                    self.wait_timeout
+                )));
+            }
+            Phase::Releasing { ended: false } => {
+                let mut per_agent: HashMap<usize, Vec<Rank>> = HashMap::new();
+                for (i, a) in self.agents.iter().enumerate() {
+                    for id in a.live.intersection(&f.leaving) {
+                        per_agent.entry(i).or_default().push(*id);
+                        f.ended.insert(*id);
+                    }
+                }
+                tracing::warn!("resize {seq}: ending released processes that did not leave within {RELEASE_GRACE:?}");
+                f.phase = Phase::Releasing { ended: true };
+                f.deadline = Instant::now() + RELEASE_GRACE;
+                for (a, ids) in per_agent {
+                    self.send(a, &ToAgent::End(ids)).await;
+                }
+            }
+            Phase::Releasing { ended: true } => {
+                self.ending = Some(Ending::Reconfig(format!("resize {seq}: released processes did not exit")));
+            }
+        }
+    }
+
+    /// A request from `ductile resize`: refused now if it cannot be met, else queued
+    /// for the next checkpoint.
+    pub(super) async fn on_resize_request(&mut self, target: Target, reply: mpsc::UnboundedSender<ResizeReply>) {
+        let q = Queued { target, reply };
+        if self.queued.is_some() {
+            return q.refuse("another resize is already queued; try again once it is done");
+        }
+        if let Err(e) = plan_resize(&self.state.allocation(), target, &self.spec.bounds) {
+            return q.refuse(&format!("{e} (the job is unchanged)"));
+        }
+        let note = if self.flight.is_some() { " (after the change under way)" } else { "" };
+        tracing::info!("resize to {target} queued{note}");
+        let _ = q.reply.send(ResizeReply::Queued);
+        self.queued = Some(q);
+    }
+}
+
+enum Plan {
+    Grow(SpawnPlan),
+    Shrink(ShrinkPlan),
+}

@@ -1,0 +1,202 @@
+//! The controller's socket: agents started by a resize connect to it, and so does
+//! `ductile resize`.
+//!
+//! It lives in `$TMPDIR/ductile-<uid>/` (created with mode 0700, refused if another user
+//! owns it) as `job-<id>.sock`, and is removed when the job ends. Every connection must
+//! come from the same user (SO_PEERCRED) and open with a [`Hello`]; an agent also
+//! proves who it is with its one-time token.
+
+use crate::plan::resize::Target;
+use crate::proto::{Hello, ResizeReply, Token};
+use ductile::bootstrap::nonblocking;
+use ductile_transport::{JobId, NodeId};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::mpsc;
+
+/// Time a connection has to say hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What arrives on the socket.
+pub enum Arrival {
+    /// An agent started by a resize.
+    Agent {
+        /// Its node.
+        node: NodeId,
+        /// Its token.
+        token: Token,
+        /// Its pid (from the socket's credentials).
+        pid: u32,
+        /// The connection.
+        rx: OwnedReadHalf,
+        /// The connection.
+        tx: OwnedWriteHalf,
+    },
+    /// A resize request; answers go into `reply`.
+    Resize {
+        /// What is asked.
+        target: Target,
+        /// Where the answers go.
+        reply: mpsc::UnboundedSender<ResizeReply>,
+    },
+}
+
+/// The directory of this user's job sockets.
+#[must_use]
+pub fn socket_dir() -> PathBuf {
+    // SAFETY: geteuid cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    std::env::temp_dir().join(format!("ductile-{uid}"))
+}
+
+/// The socket of job `job`.
+#[must_use]
+pub fn socket_path(job: JobId) -> PathBuf {
+    socket_dir().join(format!("job-{job}.sock"))
+}
+
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let meta = std::fs::symlink_metadata(dir)?;
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_dir() || meta.uid() != me {
+        return Err(std::io::Error::other(format!("{} is not a directory of this user", dir.display())));
+    }
+    if meta.permissions().mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
+/// Binds the job's socket and serves it; arrivals go into `tx`.
+///
+/// # Errors
+/// The directory or socket cannot be made.
+pub fn serve(job: JobId, tx: mpsc::UnboundedSender<Arrival>) -> std::io::Result<PathBuf> {
+    let path = socket_path(job);
+    private_dir(path.parent().unwrap_or(Path::new("/")))?;
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path)?;
+    tokio::spawn(async move {
+        loop {
+            match listener.accept().await {
+                Ok((s, _)) => {
+                    tokio::spawn(greet(s, tx.clone()));
+                }
+                Err(e) => {
+                    tracing::warn!("control socket accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+    });
+    Ok(path)
+}
+
+async fn greet(s: UnixStream, tx: mpsc::UnboundedSender<Arrival>) {
+    let cred = match s.peer_cred() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!("control socket: no peer credentials: {e}");
+            return;
+        }
+    };
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if cred.uid() != me {
+        tracing::warn!("control socket: refused a connection from uid {}", cred.uid());
+        return;
+    }
+    let pid = cred.pid().and_then(|p| u32::try_from(p).ok()).unwrap_or(0);
+    let (mut rx, mut wtx) = s.into_split();
+    let hello = match tokio::time::timeout(HELLO_TIMEOUT, nonblocking::read_msg::<Hello>(&mut rx)).await {
+        Ok(Ok(h)) => h,
+        Ok(Err(e)) => {
+            tracing::warn!("control socket: bad hello from pid {pid}: {e}");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!("control socket: pid {pid} said nothing within {HELLO_TIMEOUT:?}");
+            return;
+        }
+    };
+    match hello {
+        Hello::Agent { node, token } => {
+            let _ = tx.send(Arrival::Agent { node, token, pid, rx, tx: wtx });
+        }
+        Hello::Resize(target) => {
+            let (reply, mut replies) = mpsc::unbounded_channel();
+            if tx.send(Arrival::Resize { target, reply }).is_err() {
+                return;
+            }
+            while let Some(r) = replies.recv().await {
+                let last = !matches!(r, ResizeReply::Queued);
+                if nonblocking::write_msg(&mut wtx, &r).await.is_err() || last {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// `ductile resize`: sends the request to the job's socket and prints the answers.
+/// `job` is a socket path or a job id. Returns the exit code.
+pub async fn request(job: &str, target: Target, wait: Duration) -> i32 {
+    let path = if job.contains('/') {
+        PathBuf::from(job)
+    } else {
+        match job.parse::<JobId>() {
+            Ok(id) => socket_path(id),
+            Err(_) => {
+                eprintln!("ductile: {job:?} is neither a job id nor a socket path");
+                return 2;
+            }
+        }
+    };
+    let s = match UnixStream::connect(&path).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("ductile: cannot reach job {job} at {}: {e} (is it running?)", path.display());
+            return 1;
+        }
+    };
+    let (mut rx, mut tx) = s.into_split();
+    if let Err(e) = nonblocking::write_msg(&mut tx, &Hello::Resize(target)).await {
+        eprintln!("ductile: cannot send the request: {e}");
+        return 1;
+    }
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match tokio::time::timeout_at(deadline, nonblocking::read_msg::<ResizeReply>(&mut rx)).await {
+            Ok(Ok(ResizeReply::Queued)) => eprintln!("ductile: resize to {target} queued for the next checkpoint"),
+            Ok(Ok(ResizeReply::Done(s))) => {
+                println!("{s}");
+                return 0;
+            }
+            Ok(Ok(ResizeReply::Refused(why))) => {
+                eprintln!("ductile: resize refused: {why}");
+                return 1;
+            }
+            Ok(Ok(ResizeReply::Failed(why))) => {
+                eprintln!("ductile: resize failed: {why}");
+                return 1;
+            }
+            Ok(Err(e)) => {
+                eprintln!("ductile: the job closed the connection before the resize was done ({e})");
+                return 1;
+            }
+            Err(_) => {
+                eprintln!("ductile: no answer within {}s (the job may not have reached a checkpoint)", wait.as_secs());
+                return 1;
+            }
+        }
+    }
+}
