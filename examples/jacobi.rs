@@ -33,6 +33,10 @@ struct Args {
     /// Use background checkpoints (new processes start while the solver computes).
     #[arg(long)]
     background: bool,
+    /// Keep iterating past --iters until this many changes have happened (for driving
+    /// the job with `ductile resize`; bound it with `ductile run --timeout`).
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    until_changes: u64,
     /// After each change, rank 0 prints `HOLD <epoch>` and waits for the file
     /// `<DIR>/go-<epoch>` (for tests that inspect the job in between).
     #[arg(long, value_name = "DIR")]
@@ -100,6 +104,10 @@ fn main() -> anyhow::Result<()> {
         bail!("--points must be at least 3 and twice the number of processes");
     }
     let mut it: u64 = if s.joined().is_some() {
+        if let Some(dir) = &args.hold {
+            // The old ranks hold right after the change too.
+            hold(&s, dir)?;
+        }
         s.replicated("iter").context("a joining process gets the iteration counter")?
     } else {
         let r = s.world();
@@ -110,13 +118,18 @@ fn main() -> anyhow::Result<()> {
         0
     };
     let started = Instant::now();
-    while it < args.iters {
+    // The epoch counts the changes so far, in old and new processes alike.
+    while it < args.iters || s.epoch() < args.until_changes {
         let world = s.world().clone();
         let start = s.block_range("u")?.start;
         sweep(&world, s.block_mut::<f64>("u")?, start, n)?;
         it += 1;
-        if !it.is_multiple_of(args.every) || it == args.iters {
+        if !it.is_multiple_of(args.every) || (it == args.iters && s.epoch() >= args.until_changes) {
             continue;
+        }
+        if it >= args.iters {
+            // Waiting for resizes from outside: do not spin through iterations.
+            std::thread::sleep(Duration::from_millis(2));
         }
         s.replicate("iter", &it)?;
         let before = s.world().size();

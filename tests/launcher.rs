@@ -1,35 +1,11 @@
 //! `ductile run` end to end: real processes on simulated local nodes.
 
-use ductile_suite::paths::{ductile_bin, example};
+mod common;
+
+use common::{assert_no_survivors, ductile, ex, run, tmp, wait_with_timeout};
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn ductile(args: &[&str]) -> Command {
-    let bin = ductile_bin();
-    assert!(
-        bin.exists(),
-        "{} is missing: build the workspace first (cargo build --workspace --examples)",
-        bin.display()
-    );
-    let mut c = Command::new(bin);
-    c.args(args).env_remove("DUCTILE_LOG");
-    c
-}
-
-fn run(args: &[&str]) -> Output {
-    ductile(args).output().expect("start ductile")
-}
-
-fn ex(name: &str) -> String {
-    let p = example(name);
-    assert!(p.exists(), "{} is missing: build the examples first", p.display());
-    p.display().to_string()
-}
-
-fn tmp(name: &str) -> std::path::PathBuf {
-    std::env::temp_dir().join(format!("ductile-test-{}-{name}", std::process::id()))
-}
 
 /// `ductile run` of the fault example on 4 ranks over 2 nodes.
 fn fault_job(timeout: Option<u32>, report: &std::path::Path, args: &[&str]) -> Command {
@@ -39,27 +15,6 @@ fn fault_job(timeout: Option<u32>, report: &std::path::Path, args: &[&str]) -> C
     }
     c.arg("--").arg(ex("fault")).args(args);
     c
-}
-
-/// Every pid in a report is gone (a zombie waiting for init to reap it counts as gone).
-fn assert_no_survivors(report: &std::path::Path) {
-    let text = std::fs::read_to_string(report).expect("report written");
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let mut pids = Vec::new();
-    for n in v["nodes"].as_array().unwrap() {
-        pids.push(n["agent_pid"].as_u64().unwrap());
-        pids.extend(n["pids"].as_array().unwrap().iter().map(|p| p.as_u64().unwrap()));
-    }
-    assert!(!pids.is_empty());
-    let alive: Vec<u64> = pids
-        .into_iter()
-        .filter(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/stat"))
-                .map(|s| s.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
-                .unwrap_or(false)
-        })
-        .collect();
-    assert!(alive.is_empty(), "processes of the job still running: {alive:?}");
 }
 
 #[test]
@@ -117,20 +72,6 @@ fn timeout_and_ctrl_c_end_the_whole_job() {
     assert_eq!(status.code(), Some(130));
     assert_no_survivors(&report);
     let _ = std::fs::remove_file(report);
-}
-
-fn wait_with_timeout(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
-    let start = Instant::now();
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            panic!("ductile run did not end within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]

@@ -109,10 +109,10 @@ impl JobState {
         self.join_order.len() as u32
     }
 
-    /// The orders that carry out `plan`, with fresh ids for the new processes and one
-    /// token per new node world (`tokens` yields them).
+    /// The orders that carry out `plan`, with fresh ids for the new processes and the
+    /// token of each new node world (`tokens[g]` for group `g`).
     #[must_use]
-    pub fn grow_orders(&self, plan: &SpawnPlan, mut tokens: impl FnMut() -> Token) -> GrowOrders {
+    pub fn grow_orders(&self, plan: &SpawnPlan, tokens: &[Token]) -> GrowOrders {
         let mut next = self.next_id();
         let mut group_ids = Vec::with_capacity(plan.actions.len());
         let mut group_nodes = Vec::with_capacity(plan.actions.len());
@@ -121,20 +121,20 @@ impl JobState {
             group_nodes.push(NodeId(a.node as u32));
             next += a.procs;
         }
-        fn order(n: &SpawnNode, ids: &[Vec<Rank>], tokens: &mut dyn FnMut() -> Token) -> SpawnOrder {
+        fn order(n: &SpawnNode, ids: &[Vec<Rank>], tokens: &[Token]) -> SpawnOrder {
             let g = n.action.group as usize;
             SpawnOrder {
                 spawner: n.action.spawner,
                 step: n.action.step,
                 node: NodeId(n.action.node as u32),
                 ids: ids[g].clone(),
-                token: tokens(),
+                token: tokens.get(g).cloned().unwrap_or(Token([0; 32])),
                 spawns: n.children.iter().map(|c| order(c, ids, tokens)).collect(),
             }
         }
         let roots = spawn_tree(plan)
             .iter()
-            .map(|n| (self.ranks[n.action.spawner as usize], order(n, &group_ids, &mut tokens)))
+            .map(|n| (self.ranks[n.action.spawner as usize], order(n, &group_ids, tokens)))
             .collect();
         GrowOrders { roots, group_ids, group_nodes }
     }
@@ -206,7 +206,8 @@ impl JobState {
     fn advance(mut self, before: &Self) -> (Change, Self) {
         self.epoch = before.epoch + 1;
         self.changes = before.changes + 1;
-        let change = Change { seq: self.changes, before: before.ranks.clone(), after: self.membership() };
+        let change =
+            Change { seq: self.changes, checkpoint: 0, before: before.ranks.clone(), after: self.membership() };
         (change, self)
     }
 }
@@ -225,6 +226,10 @@ mod tests {
     fn start(n: usize, slots: u32, pool: usize) -> JobState {
         let nodes: Vec<NodeId> = (0..n).map(|i| NodeId(i as u32 / slots)).collect();
         JobState::initial(nodes, (0..n as u32).map(addr).collect(), vec![slots; pool])
+    }
+
+    fn tokens(plan: &SpawnPlan) -> Vec<Token> {
+        (0..plan.actions.len()).map(|g| Token([g as u8; 32])).collect()
     }
 
     fn report(orders: &GrowOrders) -> Vec<NodeStarted> {
@@ -246,7 +251,7 @@ mod tests {
         let a = s.allocation();
         assert_eq!(a.occupied.len(), 1);
         let plan = plan_expansion(Method::Merge, Strategy::Parallel, &[2, 0, 0, 0], &[2, 2, 2, 2]).unwrap();
-        let orders = s.grow_orders(&plan, || Token([7; 32]));
+        let orders = s.grow_orders(&plan, &tokens(&plan));
         // Old ranks 0 and 1 start nodes 1 and 2 in step 1; rank 0 starts node 3 in step 2.
         assert_eq!(orders.roots.len(), 3);
         assert_eq!(orders.group_ids, vec![vec![Rank(2), Rank(3)], vec![Rank(4), Rank(5)], vec![Rank(6), Rank(7)]]);
@@ -257,9 +262,16 @@ mod tests {
         assert_eq!(next.join_order, vec![NodeId(0), NodeId(1), NodeId(2), NodeId(3)]);
         assert_eq!(next.epoch, 1);
         assert_eq!(next.addrs[7], addr(7));
+        // Each order carries its own group's token, wherever it sits in the tree.
+        fn check(o: &SpawnOrder, orders: &GrowOrders) {
+            let g = orders.group_ids.iter().position(|ids| *ids == o.ids).unwrap();
+            assert_eq!(o.token, Token([g as u8; 32]));
+            o.spawns.iter().for_each(|c| check(c, orders));
+        }
+        orders.roots.iter().for_each(|(_, o)| check(o, &orders));
 
         let plan = plan_expansion(Method::Baseline, Strategy::Parallel, &[2, 0, 0, 0], &[2, 2, 0, 0]).unwrap();
-        let orders = s.grow_orders(&plan, || Token([7; 32]));
+        let orders = s.grow_orders(&plan, &tokens(&plan));
         let (change, next) = s.after_growth(&plan, &orders, &report(&orders)).unwrap();
         assert_eq!(change.after.ranks, (2..6).map(Rank).collect::<Vec<_>>());
         assert_eq!(next.join_order, vec![NodeId(0), NodeId(1)]);
@@ -269,7 +281,7 @@ mod tests {
     fn a_missing_or_unplanned_process_is_an_error() {
         let s = start(1, 1, 3);
         let plan = plan_expansion(Method::Merge, Strategy::Single, &[1, 0, 0], &[1, 1, 1]).unwrap();
-        let orders = s.grow_orders(&plan, || Token([0; 32]));
+        let orders = s.grow_orders(&plan, &tokens(&plan));
         let mut got = report(&orders);
         got[1].ranks.clear();
         assert_eq!(s.after_growth(&plan, &orders, &got).unwrap_err(), GatherError::Missing(Rank(2)));

@@ -6,7 +6,8 @@
 //! `--policy` (paper 001's schedulers among them) are pure state machines:
 //!
 //! - `fixed`: never changes;
-//! - `steps:A,B,C`: at the 1st, 2nd, 3rd change point the job goes to A, B, C nodes;
+//! - `steps:A,B,C`: at the 1st, 2nd, 3rd change point the job goes to A, B, C nodes
+//!   (change points passing while a change is under way do not count);
 //! - `inc-dec`: one node more at every change point up to the maximum, then one fewer
 //!   down to the minimum, and so on;
 //! - `random[:SEED]`: a normally distributed change (Box-Muller), rounded and clamped.
@@ -143,7 +144,7 @@ pub fn build(spec: &PolicySpec, period: u64, bounds: Bounds) -> Box<dyn Resource
     let period = period.max(1);
     match spec {
         PolicySpec::Fixed => Box::new(Fixed),
-        PolicySpec::Steps(s) => Box::new(Steps { targets: s.clone(), period, bounds }),
+        PolicySpec::Steps(s) => Box::new(Steps { targets: s.clone(), period, bounds, next: 0 }),
         PolicySpec::IncDec => Box::new(IncDec { period, bounds, up: true }),
         PolicySpec::Random(seed) => Box::new(Random { period, bounds, rng: SplitMix64(*seed) }),
     }
@@ -165,16 +166,21 @@ fn changed(target: u32, nodes: u32) -> Option<u32> {
     (target != nodes).then_some(target)
 }
 
+/// Goes through its list, one entry per change point it is asked at. Change points
+/// that pass while a change is under way (a background growth) are not asked, so no
+/// entry is skipped.
 struct Steps {
     targets: Vec<u32>,
     period: u64,
     bounds: Bounds,
+    next: usize,
 }
 
 impl ResourceManager for Steps {
     fn decide(&mut self, checkpoint: u64, nodes: u32) -> Option<u32> {
-        let k = change_point(checkpoint, self.period)?;
-        let t = *self.targets.get(usize::try_from(k - 1).ok()?)?;
+        change_point(checkpoint, self.period)?;
+        let t = *self.targets.get(self.next)?;
+        self.next += 1;
         changed(self.bounds.clamp(i64::from(t)), nodes)
     }
 }

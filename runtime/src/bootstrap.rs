@@ -68,6 +68,8 @@ pub struct Membership {
 pub struct Change {
     /// Sequence number of the resource change (`rc/<seq>/added`, `rc/<seq>/removed`).
     pub seq: u32,
+    /// The checkpoint count at which it happens (new processes continue counting from it).
+    pub checkpoint: u64,
     /// Endpoint ids of the ranks before the change, in old rank order.
     pub before: Vec<Rank>,
     /// The membership after it.

@@ -527,6 +527,9 @@ impl Session {
         let mut manifest = if tpos == 0 { self.registry.manifest() } else { Manifest::default() };
         transition.broadcast_value(0, &mut manifest)?;
         self.registry.adopt(manifest, joined)?;
+        if joined {
+            self.count = c.checkpoint;
+        }
         let connect = t0.elapsed();
         let t1 = Instant::now();
         let new_pos: Vec<Option<u32>> =

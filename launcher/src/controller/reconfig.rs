@@ -79,6 +79,8 @@ pub struct InFlight {
     /// Processes this controller ended because they did not leave in time.
     ended: HashSet<Rank>,
     root_takeover: bool,
+    /// The checkpoint count of the decision.
+    count: u64,
     t_checkpoint: Instant,
     t_decided: Instant,
     t_gathered: Option<Instant>,
@@ -191,6 +193,7 @@ impl Ctl {
             leaving: HashSet::new(),
             ended: HashSet::new(),
             root_takeover: false,
+            count: d.count,
             t_checkpoint,
             t_decided: Instant::now(),
             t_gathered: None,
@@ -222,8 +225,7 @@ impl Ctl {
                 }
             }
         }
-        let mut next = tokens.clone().into_iter();
-        let orders = self.state.grow_orders(&plan, || next.next().unwrap_or(Token([0; 32])));
+        let orders = self.state.grow_orders(&plan, &tokens);
         // One agent entry per new node world; it connects later with its token.
         let epoch = self.state.epoch + 1;
         for (g, node) in orders.group_nodes.iter().enumerate() {
@@ -325,8 +327,9 @@ impl Ctl {
     }
 
     /// Sends the change to rank 0 and to every new process.
-    async fn switch(&mut self, change: Change) {
+    async fn switch(&mut self, mut change: Change) {
         let Some(f) = self.flight.as_mut() else { return };
+        change.checkpoint = f.count;
         let old: HashSet<Rank> = change.before.iter().copied().collect();
         let new: HashSet<Rank> = change.after.ranks.iter().copied().collect();
         f.leaving = old.difference(&new).copied().collect();

@@ -1,0 +1,105 @@
+//! Helpers shared by the multi-process tests.
+
+#![allow(dead_code)]
+
+use ductile_suite::paths::{ductile_bin, example};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+pub fn ductile(args: &[&str]) -> Command {
+    let bin = ductile_bin();
+    assert!(
+        bin.exists(),
+        "{} is missing: build the workspace first (cargo build --workspace --examples)",
+        bin.display()
+    );
+    let mut c = Command::new(bin);
+    c.args(args).env_remove("DUCTILE_LOG");
+    c
+}
+
+pub fn run(args: &[&str]) -> Output {
+    ductile(args).output().expect("start ductile")
+}
+
+pub fn ex(name: &str) -> String {
+    let p = example(name);
+    assert!(p.exists(), "{} is missing: build the examples first", p.display());
+    p.display().to_string()
+}
+
+pub fn tmp(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("ductile-test-{}-{name}", std::process::id()))
+}
+
+/// Whether `pid` is a running process (a zombie waiting to be reaped counts as gone).
+pub fn is_alive(pid: u64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| s.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+        .unwrap_or(false)
+}
+
+/// The parent pid of `pid`, if it exists.
+fn parent_of(pid: u64) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After "pid (comm) ": state, then ppid.
+    stat.rsplit(')').next()?.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Every running descendant of `root`.
+pub fn descendants(root: u64) -> Vec<u64> {
+    let pids: Vec<u64> = std::fs::read_dir("/proc")
+        .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default();
+    let parents: Vec<(u64, u64)> = pids.iter().filter_map(|&p| Some((p, parent_of(p)?))).collect();
+    let mut out = Vec::new();
+    let mut frontier = vec![root];
+    while let Some(p) = frontier.pop() {
+        for &(c, pp) in &parents {
+            if pp == p && is_alive(c) {
+                out.push(c);
+                frontier.push(c);
+            }
+        }
+    }
+    out.sort_unstable();
+    out
+}
+
+/// Every pid (agents and ranks) named in a report.
+pub fn report_pids(report: &serde_json::Value) -> Vec<u64> {
+    let mut pids = Vec::new();
+    for n in report["nodes"].as_array().expect("nodes in the report") {
+        pids.push(n["agent_pid"].as_u64().unwrap());
+        pids.extend(n["pids"].as_array().unwrap().iter().map(|p| p.as_u64().unwrap()));
+    }
+    pids
+}
+
+/// Reads a JSON report.
+pub fn read_report(report: &std::path::Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(report).expect("report written");
+    serde_json::from_str(&text).expect("report is JSON")
+}
+
+/// Every pid in a report is gone.
+pub fn assert_no_survivors(report: &std::path::Path) {
+    let pids = report_pids(&read_report(report));
+    assert!(!pids.is_empty());
+    let alive: Vec<u64> = pids.into_iter().filter(|&p| is_alive(p)).collect();
+    assert!(alive.is_empty(), "processes of the job still running: {alive:?}");
+}
+
+pub fn wait_with_timeout(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("ductile run did not end within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -1,0 +1,252 @@
+//! Jobs that grow and shrink while they run: real processes on simulated local nodes.
+
+mod common;
+
+use common::{assert_no_survivors, descendants, ductile, ex, is_alive, read_report, run, tmp, wait_with_timeout};
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+const JACOBI: &[&str] = &["--points", "50000", "--iters", "120", "--every", "10"];
+
+/// Runs jacobi under `ductile run OPTS`; returns (checksum line, report).
+fn jacobi(opts: &[&str], extra: &[&str], name: &str) -> (String, serde_json::Value) {
+    let report = tmp(name);
+    let mut args = vec!["run", "--timeout", "120", "--report", report.to_str().unwrap()];
+    args.extend(opts);
+    args.push("--");
+    let prog = ex("jacobi");
+    args.push(&prog);
+    args.extend(JACOBI);
+    args.extend(extra);
+    let out = run(&args);
+    assert!(out.status.success(), "ductile {opts:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.contains("checksum")).unwrap_or_else(|| panic!("no checksum: {text}"));
+    let sum = line.split("checksum ").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
+    assert_no_survivors(&report);
+    let v = read_report(&report);
+    let _ = std::fs::remove_file(report);
+    (sum, v)
+}
+
+fn kinds(report: &serde_json::Value) -> Vec<(String, u64, u64)> {
+    report["reconfigurations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["kind"].as_str().unwrap().to_string(),
+                r["nodes_before"].as_u64().unwrap(),
+                r["nodes_after"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// `ductile run` options, jacobi options, and the (kind, nodes before, nodes after) of
+/// every reconfiguration expected.
+type Case<'a> = (&'a [&'a str], &'a [&'a str], &'a [(&'a str, u64, u64)]);
+
+#[test]
+fn jacobi_gives_the_rigid_checksum_through_every_kind_of_resize() {
+    let (rigid, r) = jacobi(&["-n", "3"], &[], "rigid.json");
+    assert!(kinds(&r).is_empty());
+    let cases: &[Case] = &[
+        // Tree-parallel merge growth on homogeneous nodes, then shrink to the first node.
+        (
+            &["--nodes", "1", "--slots", "2", "--max-nodes", "4", "--policy", "steps:4,1,3"],
+            &[],
+            &[("grow", 1, 4), ("shrink", 4, 1), ("grow", 1, 3)],
+        ),
+        // Heterogeneous slots (iterative diffusive), growth and shrink by processes.
+        (
+            &["-n", "1", "--slots", "1,3,2", "--policy", "steps:3,2,1"],
+            &[],
+            &[("grow", 1, 3), ("shrink", 3, 2), ("shrink", 2, 1)],
+        ),
+        // One spawner; baseline (a whole new set of processes, the old ones end).
+        (
+            &[
+                "-n",
+                "2",
+                "--slots",
+                "2",
+                "--max-nodes",
+                "3",
+                "--policy",
+                "steps:3,1",
+                "--spawn",
+                "single",
+                "--method",
+                "baseline",
+            ],
+            &[],
+            &[("grow", 1, 3), ("shrink", 3, 1)],
+        ),
+        // Background checkpoints: the solver computes while new node worlds start.
+        (
+            &["-n", "1", "--slots", "1", "--max-nodes", "8", "--policy", "steps:8,8,2"],
+            &["--background"],
+            &[("grow", 1, 8), ("shrink", 8, 2)],
+        ),
+    ];
+    for (i, (opts, extra, want)) in cases.iter().enumerate() {
+        let (sum, report) = jacobi(opts, extra, &format!("malleable-{i}.json"));
+        assert_eq!(sum, rigid, "{opts:?} {extra:?}");
+        let got = kinds(&report);
+        let want: Vec<(String, u64, u64)> = want.iter().map(|(k, a, b)| (k.to_string(), *a, *b)).collect();
+        assert_eq!(got, want, "{opts:?}");
+        for r in report["reconfigurations"].as_array().unwrap() {
+            let p = &r["phases_ms"];
+            assert!(p["total"].as_f64().unwrap() > 0.0, "{r}");
+            if r["kind"] == "grow" {
+                assert!(p["spawn"].as_f64().unwrap() > 0.0, "{r}");
+            }
+        }
+    }
+}
+
+/// Reads lines from the job's stdout until one starts with `prefix`.
+fn wait_line(lines: &mut impl Iterator<Item = std::io::Result<String>>, prefix: &str) -> String {
+    for l in lines.by_ref() {
+        let l = l.unwrap();
+        if l.starts_with(prefix) {
+            return l;
+        }
+    }
+    panic!("the job ended before printing {prefix:?}");
+}
+
+#[test]
+fn a_shrink_leaves_no_process_of_the_released_nodes() {
+    let dir = tmp("hold");
+    std::fs::create_dir_all(&dir).unwrap();
+    let report = tmp("hold.json");
+    let opts = ["run", "-n", "2", "--slots", "2", "--max-nodes", "4", "--policy", "steps:4,1", "--timeout", "120"];
+    let mut child = ductile(&opts)
+        .args(["--report", report.to_str().unwrap(), "--", &ex("jacobi")])
+        .args(JACOBI)
+        .args(["--hold", dir.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let me = u64::from(child.id());
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert_eq!(wait_line(&mut lines, "HOLD"), "HOLD 1 8");
+    // Four node worlds of an agent and two ranks each.
+    let grown: BTreeSet<u64> = descendants(me).into_iter().collect();
+    assert_eq!(grown.len(), 12, "{grown:?}");
+    std::fs::write(dir.join("go-1"), b"").unwrap();
+    assert_eq!(wait_line(&mut lines, "HOLD"), "HOLD 2 2");
+    // The release finishes within moments of the switch; then one node world remains.
+    let start = Instant::now();
+    let kept = loop {
+        let now: BTreeSet<u64> = descendants(me).into_iter().collect();
+        if now.len() == 3 || start.elapsed() > Duration::from_secs(10) {
+            break now;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(kept.len(), 3, "{kept:?}");
+    assert!(kept.is_subset(&grown));
+    let gone: Vec<u64> = grown.difference(&kept).copied().filter(|&p| is_alive(p)).collect();
+    assert!(gone.is_empty(), "processes of released nodes still running: {gone:?}");
+    std::fs::write(dir.join("go-2"), b"").unwrap();
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    let status = wait_with_timeout(&mut child, Duration::from_secs(60));
+    assert!(status.success());
+    assert!(rest.iter().any(|l| l.contains("checksum")), "{rest:?}");
+    let v = read_report(&report);
+    let released: Vec<u64> = v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|n| !n["released_epoch"].is_null())
+        .map(|n| n["node"].as_u64().unwrap())
+        .collect();
+    assert_eq!(released, vec![1, 2, 3]);
+    assert_no_survivors(&report);
+    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_file(report);
+}
+
+#[test]
+fn ductile_resize_drives_a_running_job_and_refuses_bad_requests() {
+    let report = tmp("resize.json");
+    let opts = ["run", "-n", "2", "--slots", "2", "--max-nodes", "3", "--timeout", "120"];
+    let mut child = ductile(&opts)
+        .args(["--report", report.to_str().unwrap(), "--", &ex("jacobi")])
+        .args(["--points", "20000", "--iters", "20", "--every", "5", "--until-changes", "2"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
+    let first = err.next().unwrap().unwrap();
+    let socket = first.split("control socket ").nth(1).unwrap_or_else(|| panic!("{first}")).to_string();
+    let job = first.split("job ").nth(1).unwrap().split(',').next().unwrap().to_string();
+    let ask = |who: &str, how: &str, n: &str| ductile(&["resize", who, how, n]).output().unwrap();
+
+    for (how, n, why) in [
+        ("--nodes", "5", "above the job's maximum of 3"),
+        ("--nodes", "0", "at least one node"),
+        ("--procs", "7", "do not fit"),
+    ] {
+        let out = ask(&socket, how, n);
+        assert_eq!(out.status.code(), Some(1), "{how} {n}: {out:?}");
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(text.contains("refused") && text.contains(why), "{how} {n}: {text}");
+    }
+    let out = ask(&job, "--nodes", "3");
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("1 -> 3 nodes, 2 -> 6 processes"), "{out:?}");
+    let out = ask(&socket, "--procs", "3");
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("3 -> 2 nodes, 6 -> 3 processes"), "{out:?}");
+
+    let status = wait_with_timeout(&mut child, Duration::from_secs(60));
+    let rest: Vec<String> = err.map(|l| l.unwrap()).collect();
+    assert!(status.success(), "{rest:?}");
+    let v = read_report(&report);
+    let triggers: Vec<&str> =
+        v["reconfigurations"].as_array().unwrap().iter().map(|r| r["trigger"].as_str().unwrap()).collect();
+    assert_eq!(triggers, ["resize", "resize"]);
+    assert_eq!(v["final_size"], 3);
+    assert_no_survivors(&report);
+    let out = ask(&socket, "--nodes", "1");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach job"), "{out:?}");
+    let _ = std::fs::remove_file(report);
+}
+
+#[test]
+fn a_process_crashing_during_a_shrink_fails_the_job_naming_it_and_leaves_nothing() {
+    let report = tmp("leave-crash.json");
+    let start = Instant::now();
+    let out = run(&[
+        "run",
+        "-n",
+        "4",
+        "--nodes",
+        "2",
+        "--policy",
+        "steps:1",
+        "--timeout",
+        "60",
+        "--report",
+        report.to_str().unwrap(),
+        "--",
+        &ex("fault"),
+        "leave-crash",
+        "9",
+    ]);
+    assert_eq!(out.status.code(), Some(9), "{out:?}");
+    assert!(start.elapsed() < Duration::from_secs(30));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("while leaving in a shrink") && err.contains("on node 1 exited with code 9"), "{err}");
+    assert_no_survivors(&report);
+    let _ = std::fs::remove_file(report);
+}
