@@ -126,7 +126,7 @@ impl Reconfiguration {
 #[must_use]
 pub fn table(rs: &[Reconfiguration]) -> String {
     let mut s = String::from(
-        " #  kind    trigger      nodes    procs     how              decide   spawn  connect  redist  release    total (ms)\n",
+        " #  kind    trigger      nodes    procs     how                    decide   spawn  connect  redist  release    total (ms)\n",
     );
     for r in rs {
         let p = &r.phases_ms;
@@ -136,7 +136,7 @@ pub fn table(rs: &[Reconfiguration]) -> String {
         };
         let _ = writeln!(
             s,
-            "{:>2}  {:<6}  {:<11} {:>3}->{:<3}  {:>3}->{:<4} {:<16} {:>6.1}  {:>6.1}  {:>7.1}  {:>6.1}  {:>7.1}  {:>7.1}",
+            "{:>2}  {:<6}  {:<11} {:>3}->{:<3}  {:>3}->{:<4} {:<22} {:>6.1}  {:>6.1}  {:>7.1}  {:>6.1}  {:>7.1}  {:>7.1}",
             r.seq,
             r.kind,
             r.trigger,
