@@ -16,12 +16,16 @@ use crate::group::AsyncGroup;
 use bytemuck::Pod;
 use bytes::Bytes;
 use ductile_redistrib::block_range;
+use ductile_transport::{Tag, TagMatch};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
 
 /// Largest element alignment a distributed item may have.
 pub const MAX_ALIGN: usize = 8;
+
+/// Runtime tags of redistribution messages (one per item index, low 24 bits).
+const REGISTRY_TAG: u32 = Tag::RESERVED_BASE | (0x20 << 24);
 
 /// Bytes with 8-byte alignment.
 #[derive(Clone, Debug, Default)]
@@ -31,6 +35,10 @@ struct Aligned {
 }
 
 impl Aligned {
+    fn zeroed(len: usize) -> Self {
+        Self { words: vec![0u64; len.div_ceil(8)], len }
+    }
+
     fn from_bytes(b: &[u8]) -> Self {
         let mut words = vec![0u64; b.len().div_ceil(8)];
         bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..b.len()].copy_from_slice(b);
@@ -220,57 +228,78 @@ impl Registry {
 
     /// Moves every distributed item from the old blocks to the new ones over the
     /// transition group `t`, whose members `0..old_n` are the old ranks in order;
-    /// `new_pos[k]` is the new rank of transition member `k`, if it stays.
+    /// `new_pos[k]` is the new rank of transition member `k`, if it stays. Only
+    /// non-empty overlaps travel, point to point, so a process talks only to the
+    /// processes its block overlaps with.
     ///
     /// # Collective
     /// Over the transition group.
     pub(crate) async fn redistribute(&mut self, t: &AsyncGroup, parts: Parts, new_pos: &[Option<u32>]) -> Result<()> {
         let me = t.rank();
-        let my_old = u32::try_from(me).ok().filter(|&r| r < parts.old_n);
-        let my_new = new_pos.get(me).copied().flatten();
+        let old_of = |k: usize| u32::try_from(k).ok().filter(|&r| r < parts.old_n);
+        let (my_old, my_new) = (old_of(me), new_pos.get(me).copied().flatten());
         for i in 0..self.entries.len() {
             let (global, elem) = match &self.entries[i].kind {
                 Kind::Distributed { global, elem, .. } => (*global, u64::from(*elem)),
                 Kind::Replicated { .. } => continue,
             };
+            let tag = Tag(REGISTRY_TAG | (i as u32 & 0x00ff_ffff));
             let old_range = |r: u32| block_range(global, parts.old_n, r);
             let new_range = |r: u32| block_range(global, parts.new_n, r);
+            let bytes = |n: u64| usize::try_from(n * elem).unwrap_or(usize::MAX);
             let have = Bytes::copy_from_slice(self.blocks[i].bytes());
-            let sends: Vec<Bytes> = new_pos
-                .iter()
-                .map(|dst| match (my_old, dst) {
-                    (Some(o), Some(d)) => {
-                        let (mine, theirs) = (old_range(o), new_range(*d));
-                        let ov = overlap(&mine, &theirs);
-                        if ov.is_empty() {
-                            return Bytes::new();
-                        }
-                        let at = |x: u64| usize::try_from((x - mine.start) * elem).unwrap_or(usize::MAX);
-                        have.slice(at(ov.start)..at(ov.end))
+            let mut sends = Vec::new();
+            let mut own = Bytes::new();
+            if let Some(o) = my_old {
+                let mine = old_range(o);
+                for (k, dst) in new_pos.iter().enumerate() {
+                    let Some(d) = dst else { continue };
+                    let ov = overlap(&mine, &new_range(*d));
+                    if ov.is_empty() {
+                        continue;
                     }
-                    _ => Bytes::new(),
-                })
-                .collect();
-            let got = t.alltoallv_bytes(sends).await?;
+                    let part = have.slice(bytes(ov.start - mine.start)..bytes(ov.end - mine.start));
+                    if k == me {
+                        own = part;
+                    } else {
+                        sends.push(t.send_tagged(k, tag, part));
+                    }
+                }
+            }
             let Some(n) = my_new else {
+                futures_util::future::try_join_all(sends).await?;
                 self.blocks[i] = Aligned::default();
                 continue;
             };
             let mine = new_range(n);
-            let mut block =
-                Aligned::from_bytes(&vec![0u8; usize::try_from((mine.end - mine.start) * elem).unwrap_or(0)]);
-            for (src, b) in got.iter().enumerate() {
-                let Some(o) = u32::try_from(src).ok().filter(|&r| r < parts.old_n) else { continue };
-                let ov = overlap(&old_range(o), &mine);
-                let want = usize::try_from((ov.end - ov.start) * elem).unwrap_or(usize::MAX);
-                if ov.is_empty() && b.is_empty() {
-                    continue;
-                }
+            let sources: Vec<(usize, Range<u64>)> = (0..parts.old_n as usize)
+                .map(|k| (k, overlap(&old_range(k as u32), &mine)))
+                .filter(|(k, ov)| !ov.is_empty() && *k != me)
+                .collect();
+            let recvs = sources.iter().map(|(k, _)| t.recv_tagged(Some(*k), TagMatch::Tag(tag)));
+            let (_, got) = futures_util::future::try_join(
+                futures_util::future::try_join_all(sends),
+                futures_util::future::try_join_all(recvs),
+            )
+            .await?;
+            let mut block = Aligned::zeroed(bytes(mine.end - mine.start));
+            let mut place = |ov: &Range<u64>, b: &[u8], src: usize| -> Result<()> {
+                let want = bytes(ov.end - ov.start);
                 if b.len() != want {
                     return Err(Error::LengthMismatch { what: "redistribution", expected: want, got: b.len(), src });
                 }
-                let at = usize::try_from((ov.start - mine.start) * elem).unwrap_or(0);
+                let at = bytes(ov.start - mine.start);
                 block.bytes_mut()[at..at + want].copy_from_slice(b);
+                Ok(())
+            };
+            if let Some(o) = my_old {
+                let ov = overlap(&old_range(o), &mine);
+                if !ov.is_empty() {
+                    place(&ov, &own, me)?;
+                }
+            }
+            for ((k, ov), (b, _)) in sources.iter().zip(got) {
+                place(ov, &b, *k)?;
             }
             self.blocks[i] = block;
         }

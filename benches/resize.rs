@@ -1,0 +1,195 @@
+//! Resize benchmark: expansion from 1 node to N nodes and shrink back, side by side with
+//! Open MPI's `MPI_Comm_spawn` + `MPI_Intercomm_merge` for the same process counts and
+//! with a full relaunch (`mpirun -n K`), all in the same run.
+//!
+//! ```text
+//! benches/peers/build.sh          # the Open MPI peer (installs Open MPI as root if missing)
+//! cargo bench --bench resize      # DUCTILE_BENCH_REPS=5 by default
+//! ```
+//!
+//! A whole-job benchmark, so it is a plain harness rather than criterion: each figure
+//! is the median of `DUCTILE_BENCH_REPS` jobs. ductile's times come from the job
+//! report (`--report`): a growth's `total` runs from rank 0's checkpoint reaching the
+//! controller to the new group being complete (new processes started, bound, joined,
+//! state handed over); a shrink's `total` runs to the moment every released process and
+//! agent is gone. Open MPI's figure is measured by its rank 0 from before
+//! `MPI_Comm_spawn` to after a barrier on the merged communicator. The relaunch figure
+//! is the wall time of `mpirun -n K` of an empty MPI program. Results go to
+//! `target/bench-resize.json`.
+
+use ductile_suite::paths::{ductile_bin, example, profile_dir};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+const NODES: [u32; 4] = [2, 4, 8, 16];
+const SLOTS: [u32; 2] = [1, 4];
+const VARIANTS: [(&str, &str); 4] =
+    [("parallel", "merge"), ("single", "merge"), ("parallel", "baseline"), ("single", "baseline")];
+
+fn reps() -> usize {
+    std::env::var("DUCTILE_BENCH_REPS").ok().and_then(|v| v.parse().ok()).filter(|&r| r > 0).unwrap_or(5)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// One ductile job growing 1 -> `n` nodes and shrinking back; (grow ms, shrink ms).
+fn ductile_job(n: u32, slots: u32, strategy: &str, method: &str) -> (f64, f64) {
+    let report = std::env::temp_dir().join(format!("ductile-bench-resize-{}.json", std::process::id()));
+    let (nodes, slots_s, policy) = (n.to_string(), slots.to_string(), format!("steps:{n},1"));
+    let out = Command::new(ductile_bin())
+        .args(["run", "--nodes", "1", "--slots", &slots_s, "--max-nodes", &nodes, "--policy", &policy])
+        .args(["--spawn", strategy, "--method", method, "--timeout", "120"])
+        .args(["--report", report.to_str().expect("utf-8 temp dir"), "--"])
+        .arg(example("jacobi"))
+        .args(["--points", "4096", "--iters", "4", "--every", "1"])
+        .output()
+        .expect("start ductile run");
+    assert!(out.status.success(), "ductile job failed: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).expect("report")).expect("report is JSON");
+    let _ = std::fs::remove_file(&report);
+    let r = v["reconfigurations"].as_array().expect("reconfigurations");
+    assert_eq!(r.len(), 2, "expected a growth and a shrink: {r:?}");
+    let total = |i: usize| r[i]["phases_ms"]["total"].as_f64().expect("total");
+    (total(0), total(1))
+}
+
+fn mpirun(np: u32) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(["--allow-run-as-root", "--oversubscribe", "-n", &np.to_string(), "--mca", "pml", "ob1"]);
+    c.args(["--mca", "btl", "self,vader,tcp", "--mca", "btl_tcp_if_include", "lo"]);
+    c
+}
+
+/// Open MPI: `parents` processes spawn `children` and merge; ms.
+fn ompi_spawn(peer: &Path, parents: u32, children: u32) -> f64 {
+    let out = mpirun(parents).arg(peer).arg(children.to_string()).output().expect("start mpirun");
+    assert!(out.status.success(), "mpirun spawn failed: {out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let ns: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("elapsed_ns="))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no elapsed_ns in {text}"));
+    ns / 1e6
+}
+
+/// Open MPI: wall time of a whole `mpirun -n procs` of an empty program; ms.
+fn ompi_relaunch(peer: &Path, procs: u32) -> f64 {
+    let t = Instant::now();
+    let out = mpirun(procs).arg(peer).arg("0").output().expect("start mpirun");
+    assert!(out.status.success(), "mpirun relaunch failed: {out:?}");
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn peer() -> Option<PathBuf> {
+    let p = profile_dir().parent()?.join("peers").join("spawn");
+    let mpirun = Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
+    if p.exists() && mpirun {
+        Some(p)
+    } else {
+        eprintln!("\n*** SKIPPED Open MPI peers: {} or mpirun missing; run benches/peers/build.sh ***\n", p.display());
+        None
+    }
+}
+
+/// `cargo bench` does not build other packages' binaries or this package's examples;
+/// build them in the release profile so the jobs run the current code.
+fn build() {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let ok = Command::new(cargo)
+        .args([
+            "build",
+            "--release",
+            "--quiet",
+            "-p",
+            "ductile-launcher",
+            "-p",
+            "ductile-suite",
+            "--bins",
+            "--examples",
+        ])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok && ductile_bin().exists() && example("jacobi").exists(), "cannot build the launcher and examples");
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; `cargo test --benches` passes nothing useful.
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    build();
+    let reps = reps();
+    let peer = peer();
+    let mut rows = Vec::new();
+    println!("resize benchmark, median of {reps} jobs per figure, ms");
+    println!(
+        "{:>5} {:>5} {:>6} | {:>9} {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} {:>7}",
+        "nodes",
+        "slots",
+        "procs",
+        "par/merge",
+        "sgl/merge",
+        "par/base",
+        "sgl/base",
+        "ompi_spwn",
+        "relaunch",
+        "shrink",
+        "ompi/par"
+    );
+    for &slots in &SLOTS {
+        for &n in &NODES {
+            let mut grow = Vec::new();
+            let mut shrink = Vec::new();
+            for (strategy, method) in VARIANTS {
+                let runs: Vec<(f64, f64)> = (0..reps).map(|_| ductile_job(n, slots, strategy, method)).collect();
+                grow.push(median(runs.iter().map(|r| r.0).collect()));
+                if (strategy, method) == ("parallel", "merge") {
+                    shrink = runs.iter().map(|r| r.1).collect();
+                }
+            }
+            let shrink = median(shrink);
+            let (spawn, relaunch) = match &peer {
+                Some(p) => (
+                    Some(median((0..reps).map(|_| ompi_spawn(p, slots, slots * (n - 1))).collect())),
+                    Some(median((0..reps).map(|_| ompi_relaunch(p, slots * n)).collect())),
+                ),
+                None => (None, None),
+            };
+            let f = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |x| format!("{x:.1}"));
+            let ratio = spawn.map(|s| s / grow[0]);
+            println!(
+                "{n:>5} {slots:>5} {:>6} | {:>9.1} {:>9.1} {:>9.1} {:>9.1} | {:>9} {:>9} | {:>9.1} {:>7}",
+                n * slots,
+                grow[0],
+                grow[1],
+                grow[2],
+                grow[3],
+                f(spawn),
+                f(relaunch),
+                shrink,
+                ratio.map_or_else(|| "-".to_string(), |r| format!("{r:.1}x"))
+            );
+            rows.push(json!({
+                "nodes": n, "slots": slots, "procs_after": n * slots,
+                "ductile_grow_ms": {"parallel_merge": grow[0], "single_merge": grow[1],
+                                    "parallel_baseline": grow[2], "single_baseline": grow[3]},
+                "ductile_shrink_ms": shrink,
+                "ompi_spawn_merge_ms": spawn, "ompi_relaunch_ms": relaunch,
+            }));
+        }
+    }
+    let out = profile_dir().parent().map(|t| t.join("bench-resize.json")).expect("target directory");
+    let doc = json!({"reps": reps, "rows": rows});
+    if let Err(e) = std::fs::write(&out, serde_json::to_string_pretty(&doc).expect("json") + "\n") {
+        eprintln!("cannot write {}: {e}", out.display());
+    } else {
+        println!("results: {}", out.display());
+    }
+}
