@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Build the Open MPI comparison peer (benches/peers/pingpong.c).
+# Build the Open MPI comparison peers (benches/peers/pingpong.c, spawn.c).
 #
 # If mpicc/mpirun are missing, installs Debian's openmpi-bin and
 # libopenmpi-dev (root only). Output goes to ${OUT_DIR:-<repo>/target/peers}.
-# The last line printed is the path of the built binary.
+# Prints the path of each built binary, one per line: spawn, then pingpong.
+# The last line is always the pingpong path (backwards compatible).
 set -euo pipefail
 
 script_dir="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
@@ -23,6 +24,10 @@ if ! command -v mpicc >/dev/null 2>&1 || ! command -v mpirun >/dev/null 2>&1; th
 fi
 
 mkdir -p -- "${out_dir}"
-out="${out_dir}/pingpong"
-mpicc -std=c11 -O2 -Wall -Wextra -o "${out}" "${script_dir}/pingpong.c" >&2
-echo "${out}"
+for peer in spawn pingpong; do
+    mpicc -std=c11 -O2 -Wall -Wextra -o "${out_dir}/${peer}" \
+        "${script_dir}/${peer}.c" >&2
+done
+# pingpong must stay the last line: callers take the last line as its path.
+echo "${out_dir}/spawn"
+echo "${out_dir}/pingpong"
