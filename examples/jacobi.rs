@@ -37,6 +37,9 @@ struct Args {
     /// the job with `ductile resize`; bound it with `ductile run --timeout`).
     #[arg(long, default_value_t = 0, value_name = "K")]
     until_changes: u64,
+    /// Ask for this many processes at the first checkpoint (an evolving job).
+    #[arg(long, value_name = "P")]
+    ask: Option<u32>,
     /// After each change, rank 0 prints `HOLD <epoch>` and waits for the file
     /// `<DIR>/go-<epoch>` (for tests that inspect the job in between).
     #[arg(long, value_name = "DIR")]
@@ -132,11 +135,19 @@ fn main() -> anyhow::Result<()> {
             std::thread::sleep(Duration::from_millis(2));
         }
         s.replicate("iter", &it)?;
+        if let Some(p) = args.ask.filter(|_| it == args.every) {
+            s.request_procs(p);
+        }
         let before = s.world().size();
         let cp = if args.background { s.checkpoint_background()? } else { s.checkpoint()? };
         match cp {
             Checkpoint::Released(_) => return Ok(s.finalize()?),
             Checkpoint::Resized(r) => {
+                // The runtime's process sets agree with what the checkpoint said.
+                let added = s.pset(&format!("rc/{}/added", r.seq))?;
+                if added.ranks().map(|a| a as usize).collect::<Vec<_>>() != r.added {
+                    bail!("rc/{}/added is {added}, the checkpoint said {:?}", r.seq, r.added);
+                }
                 if s.world().rank() == 0 {
                     println!(
                         "jacobi: iteration {it}: {before} -> {} processes on {} nodes",

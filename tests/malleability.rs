@@ -86,6 +86,8 @@ fn jacobi_gives_the_rigid_checksum_through_every_kind_of_resize() {
             &[],
             &[("grow", 1, 3), ("shrink", 3, 1)],
         ),
+        // The application asks for 5 processes (an evolving job).
+        (&["-n", "2", "--slots", "2", "--max-nodes", "3"], &["--ask", "5"], &[("grow", 1, 3)]),
         // Background checkpoints: the solver computes while new node worlds start.
         (
             &["-n", "1", "--slots", "1", "--max-nodes", "8", "--policy", "steps:8,8,2"],
@@ -99,6 +101,10 @@ fn jacobi_gives_the_rigid_checksum_through_every_kind_of_resize() {
         let got = kinds(&report);
         let want: Vec<(String, u64, u64)> = want.iter().map(|(k, a, b)| (k.to_string(), *a, *b)).collect();
         assert_eq!(got, want, "{opts:?}");
+        if extra.contains(&"--ask") {
+            assert_eq!(report["reconfigurations"][0]["trigger"], "application");
+            assert_eq!(report["final_size"], 5);
+        }
         for r in report["reconfigurations"].as_array().unwrap() {
             let p = &r["phases_ms"];
             assert!(p["total"].as_f64().unwrap() > 0.0, "{r}");

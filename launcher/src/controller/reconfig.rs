@@ -417,6 +417,9 @@ impl Ctl {
                 total: ms(now - f.t_checkpoint),
             },
         };
+        if !r.released_nodes.is_empty() {
+            self.policy.released(&r.released_nodes);
+        }
         tracing::info!("{}", r.summary());
         if let Some(reply) = &f.reply {
             let _ = reply.send(ResizeReply::Done(r.summary()));
