@@ -17,9 +17,9 @@
 //! is the wall time of `mpirun -n K` of an empty MPI program. Results go to
 //! `target/bench-resize.json`.
 
-use ductile_suite::paths::{ductile_bin, example, profile_dir};
+use ductile_suite::paths::{ductile_bin, example, mpi_peer, profile_dir};
 use serde_json::json;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
@@ -87,17 +87,6 @@ fn ompi_relaunch(peer: &Path, procs: u32) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-fn peer() -> Option<PathBuf> {
-    let p = profile_dir().parent()?.join("peers").join("spawn");
-    let mpirun = Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
-    if p.exists() && mpirun {
-        Some(p)
-    } else {
-        eprintln!("\n*** SKIPPED Open MPI peers: {} or mpirun missing; run benches/peers/build.sh ***\n", p.display());
-        None
-    }
-}
-
 /// `cargo bench` does not build other packages' binaries or this package's examples;
 /// build them in the release profile so the jobs run the current code.
 fn build() {
@@ -126,7 +115,7 @@ fn main() {
     }
     build();
     let reps = reps();
-    let peer = peer();
+    let peer = mpi_peer("spawn");
     let mut rows = Vec::new();
     println!("resize benchmark, median of {reps} jobs per figure, ms");
     println!(

@@ -13,7 +13,7 @@
 
 use bytes::Bytes;
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
-use ductile_suite::paths::{ductile_bin, profile_dir};
+use ductile_suite::paths::{ductile_bin, mpi_peer, profile_dir};
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
@@ -93,17 +93,6 @@ fn ductile_job(mode: &str, iters: u64, size: usize) -> Duration {
     parse_elapsed(&out, "ductile job")
 }
 
-fn mpi_peer() -> Option<PathBuf> {
-    let p = profile_dir().parent()?.join("peers").join("pingpong");
-    let mpirun = Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
-    if p.exists() && mpirun {
-        Some(p)
-    } else {
-        eprintln!("\n*** SKIPPED Open MPI peers: {} or mpirun missing; run benches/peers/build.sh ***\n", p.display());
-        None
-    }
-}
-
 fn mpi_job(peer: &PathBuf, btl: &str, mode: &str, iters: u64, size: usize) -> Duration {
     let mut cmd = Command::new("mpirun");
     cmd.args(["--allow-run-as-root", "--oversubscribe", "-n", "2", "--mca", "pml", "ob1", "--mca", "btl", btl]);
@@ -116,7 +105,7 @@ fn mpi_job(peer: &PathBuf, btl: &str, mode: &str, iters: u64, size: usize) -> Du
 }
 
 fn benches(c: &mut Criterion) {
-    let peer = mpi_peer();
+    let peer = mpi_peer("pingpong");
     let peers: Vec<(&str, &str)> =
         if peer.is_some() { vec![("ompi_tcp", "self,tcp"), ("ompi_vader", "self,vader")] } else { vec![] };
 

@@ -29,3 +29,17 @@ pub fn ductile_bin() -> PathBuf {
 pub fn example(name: &str) -> PathBuf {
     profile_dir().join("examples").join(name)
 }
+
+/// An Open MPI comparison peer built by `benches/peers/build.sh` (in `target/peers/`),
+/// if it and `mpirun` are there; otherwise says loudly that the peers are skipped.
+#[must_use]
+pub fn mpi_peer(name: &str) -> Option<PathBuf> {
+    let p = profile_dir().parent()?.join("peers").join(name);
+    let mpirun = std::process::Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
+    if p.exists() && mpirun {
+        Some(p)
+    } else {
+        eprintln!("\n*** SKIPPED Open MPI peers: {} or mpirun missing; run benches/peers/build.sh ***\n", p.display());
+        None
+    }
+}

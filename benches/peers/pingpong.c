@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include "peer_util.h"
 
 #define WINDOW 8
 #define WARMUP_MAX 100
@@ -40,30 +41,6 @@
 #define TAG_ACK 2
 
 enum mode { MODE_LATENCY, MODE_BANDWIDTH };
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * UINT64_C(1000000000) + (uint64_t)ts.tv_nsec;
-}
-
-/* Parse a non-negative decimal integer that fits in an int (MPI counts are
- * ints). Returns 0 on success, -1 on error. */
-static int parse_count(const char *s, long *out)
-{
-    char *end = NULL;
-    long v;
-
-    if (s == NULL || *s == '\0' || *s == '-' || *s == '+')
-        return -1;
-    errno = 0;
-    v = strtol(s, &end, 10);
-    if (errno != 0 || end == s || *end != '\0' || v < 0 || v > INT_MAX)
-        return -1;
-    *out = v;
-    return 0;
-}
 
 /* Fail the whole job with exit code `code`. Only rank 0 prints the message
  * and calls MPI_Abort; other ranks park in a barrier that rank 0 never
