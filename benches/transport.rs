@@ -13,7 +13,7 @@
 
 use bytes::Bytes;
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
-use ductile_suite::paths::{ductile_bin, mpi_peer, profile_dir};
+use ductile_suite::paths::{ductile_bin, mpi_peer};
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
