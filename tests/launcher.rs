@@ -96,6 +96,13 @@ fn bad_command_lines_get_one_clear_line() {
     assert!(out.status.success());
     let map = String::from_utf8_lossy(&out.stdout);
     assert!(map.contains("6 ranks on 2 simulated nodes") && map.contains("node 1: 3 slots, ranks 3..=5"), "{map}");
+    let out = run(&["run", "--nodes", "1", "--max-nodes", "8", "--policy", "steps:8,2", "--dry-run", "--", "true"]);
+    assert!(out.status.success());
+    let plan = String::from_utf8_lossy(&out.stdout);
+    // The hypercube from one process: 1, 2, then 4 new node worlds per step.
+    assert!(plan.contains("checkpoint 1: 1 -> 8 nodes: grow, 3 steps"), "{plan}");
+    assert!(plan.contains("step 3: spawner 3 starts node 7 (1 processes)"), "{plan}");
+    assert!(plan.contains("checkpoint 2: 8 -> 2 nodes: shrink, release nodes [7, 6, 5, 4, 3, 2]"), "{plan}");
 }
 
 #[test]

@@ -79,7 +79,8 @@ pub struct RunArgs {
     /// Transport between ranks.
     #[arg(long, default_value = "tcp", value_parser = ["tcp"])]
     pub transport: String,
-    /// Print the node map and exit without starting anything.
+    /// Print the node map (and, for a `steps:` policy, every planned change) and exit
+    /// without starting anything.
     #[arg(long)]
     pub dry_run: bool,
     /// The program and its arguments.
@@ -222,20 +223,4 @@ impl RunArgs {
             report: self.report,
         })
     }
-}
-
-/// The node map printed by `--dry-run`.
-#[must_use]
-pub fn node_map(spec: &JobSpec) -> String {
-    let mut s = format!(
-        "{} ranks on {} simulated nodes; program {}\n",
-        spec.layout.size(),
-        spec.layout.nodes.len(),
-        spec.program.display()
-    );
-    for n in &spec.layout.nodes {
-        let last = n.ranks.end.saturating_sub(1);
-        s += &format!("  {}: {} slots, ranks {}..={}\n", n.node, n.slots, n.ranks.start, last);
-    }
-    s
 }

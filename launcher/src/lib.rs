@@ -22,6 +22,7 @@ pub mod membership;
 pub mod output;
 pub mod plan;
 pub mod policy;
+pub mod preview;
 pub mod proto;
 pub mod report;
 pub mod spawn;

@@ -1,7 +1,8 @@
 //! The `ductile` binary.
 
 use clap::Parser;
-use ductile_launcher::cli::{node_map, Cli, Command};
+use ductile_launcher::cli::{Cli, Command};
+use ductile_launcher::preview::preview;
 use std::process::ExitCode;
 
 fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
@@ -60,7 +61,7 @@ fn main() -> ExitCode {
                 }
             };
             if dry {
-                print!("{}", node_map(&spec));
+                print!("{}", preview(&spec));
                 return ExitCode::SUCCESS;
             }
             match rt.block_on(ductile_launcher::controller::run(spec)) {

@@ -1,0 +1,92 @@
+//! What `--dry-run` prints: the node map, and for a `steps:` policy every planned change
+//! (who starts which node world in which step, which nodes a shrink releases), computed
+//! with the same pure planners the controller uses.
+
+use crate::controller::JobSpec;
+use crate::membership::JobState;
+use crate::plan::resize::{plan_resize, Resize, Target};
+use crate::plan::spawn::plan_expansion;
+use crate::policy::PolicySpec;
+use crate::proto::{NodeStarted, RankStarted, Token};
+use ductile_transport::{EndpointAddr, NodeId};
+use std::fmt::Write as _;
+
+/// The node map and the planned changes.
+#[must_use]
+pub fn preview(spec: &JobSpec) -> String {
+    let mut s = format!(
+        "{} ranks on {} simulated nodes (pool of {}); program {}\n",
+        spec.layout.size(),
+        spec.layout.nodes.len(),
+        spec.slots.len(),
+        spec.program.display()
+    );
+    for n in &spec.layout.nodes {
+        let last = n.ranks.end.saturating_sub(1);
+        let _ = writeln!(s, "  {}: {} slots, ranks {}..={}", n.node, n.slots, n.ranks.start, last);
+    }
+    let PolicySpec::Steps(steps) = &spec.policy else { return s };
+    let nodes: Vec<NodeId> = spec.layout.nodes.iter().flat_map(|n| n.ranks.clone().map(move |_| n.node)).collect();
+    let addrs = vec![EndpointAddr(String::new()); nodes.len()];
+    let mut state = JobState::initial(nodes, addrs, spec.slots.clone());
+    for (k, &t) in steps.iter().enumerate() {
+        let cp = (k as u64 + 1) * spec.period;
+        let _ = write!(s, "checkpoint {cp}: {} -> {t} nodes: ", state.node_count());
+        match plan_resize(&state.allocation(), Target::Nodes(t), &spec.bounds) {
+            Err(e) => {
+                let _ = writeln!(s, "refused ({e})");
+            }
+            Ok(Resize::Same) => s.push_str("no change\n"),
+            Ok(Resize::Shrink(p)) => {
+                let released: Vec<u32> = p.released_nodes.iter().map(|&n| n as u32).collect();
+                let _ = writeln!(
+                    s,
+                    "shrink, release nodes {released:?}, {} processes exit, new rank 0 is old rank {}",
+                    p.exiting.len(),
+                    p.new_root
+                );
+                state = state.after_shrink(&p).1;
+            }
+            Ok(Resize::Grow { running, target }) => {
+                let plan = match plan_expansion(spec.method, spec.strategy, &running, &target) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        let _ = writeln!(s, "refused ({e})");
+                        continue;
+                    }
+                };
+                let _ = writeln!(s, "grow, {} steps", plan.step_count());
+                for a in &plan.actions {
+                    let _ = writeln!(
+                        s,
+                        "  step {}: spawner {} starts node {} ({} processes)",
+                        a.step, a.spawner, a.node, a.procs
+                    );
+                }
+                let tokens = vec![Token([0; 32]); plan.actions.len()];
+                let orders = state.grow_orders(&plan, &tokens);
+                let started: Vec<NodeStarted> = orders
+                    .group_ids
+                    .iter()
+                    .zip(&orders.group_nodes)
+                    .map(|(ids, n)| NodeStarted {
+                        node: *n,
+                        agent_pid: 0,
+                        ranks: ids
+                            .iter()
+                            .map(|id| RankStarted { id: *id, pid: 0, addr: EndpointAddr(String::new()) })
+                            .collect(),
+                    })
+                    .collect();
+                match state.after_growth(&plan, &orders, &started) {
+                    Ok((_, next)) => state = next,
+                    Err(e) => {
+                        let _ = writeln!(s, "  cannot follow the plan: {e}");
+                        return s;
+                    }
+                }
+            }
+        }
+    }
+    s
+}
