@@ -1,12 +1,16 @@
 //! # ductile-redistrib
 //!
-//! Data distributions and redistribution planning for ductile. For now it holds the
-//! block distribution rule that every part of ductile agrees on; the overlap plans and
-//! executors build on it.
+//! Data distributions and redistribution planning for ductile: the block distribution
+//! rule that every part of ductile agrees on, and the overlap plans ([`plan`]) that
+//! say which elements move from which source part to which target part.
 //!
 //! **Block rule.** `N` items over `n` parts: part `r` owns `[floor(r*N/n), floor((r+1)*N/n))`.
 //! Blocks differ in size by at most one item, the larger ones come last, and for
 //! `N < n` some parts are empty.
+
+pub mod plan;
+
+pub use plan::{drain_plan, source_plan, DrainPlan, SourcePlan};
 
 use std::ops::Range;
 

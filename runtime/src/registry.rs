@@ -15,11 +15,10 @@ use crate::error::{Error, Result};
 use crate::group::AsyncGroup;
 use bytemuck::Pod;
 use bytes::Bytes;
-use ductile_redistrib::block_range;
+use ductile_redistrib::{block_range, drain_plan, source_plan};
 use ductile_transport::{Tag, TagMatch};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use std::ops::Range;
 
 /// Largest element alignment a distributed item may have.
 pub const MAX_ALIGN: usize = 8;
@@ -86,10 +85,6 @@ pub(crate) struct Parts {
     pub old_n: u32,
     /// Parts after.
     pub new_n: u32,
-}
-
-fn overlap(a: &Range<u64>, b: &Range<u64>) -> Range<u64> {
-    a.start.max(b.start)..a.end.min(b.end).max(a.start.max(b.start))
 }
 
 impl Registry {
@@ -238,31 +233,31 @@ impl Registry {
         let me = t.rank();
         let old_of = |k: usize| u32::try_from(k).ok().filter(|&r| r < parts.old_n);
         let (my_old, my_new) = (old_of(me), new_pos.get(me).copied().flatten());
+        // Transition member of each new rank.
+        let mut member_of_new = vec![0usize; parts.new_n as usize];
+        for (k, p) in new_pos.iter().enumerate() {
+            if let Some(slot) = p.and_then(|p| member_of_new.get_mut(p as usize)) {
+                *slot = k;
+            }
+        }
         for i in 0..self.entries.len() {
             let (global, elem) = match &self.entries[i].kind {
                 Kind::Distributed { global, elem, .. } => (*global, u64::from(*elem)),
                 Kind::Replicated { .. } => continue,
             };
             let tag = Tag(REGISTRY_TAG | (i as u32 & 0x00ff_ffff));
-            let old_range = |r: u32| block_range(global, parts.old_n, r);
-            let new_range = |r: u32| block_range(global, parts.new_n, r);
             let bytes = |n: u64| usize::try_from(n * elem).unwrap_or(usize::MAX);
             let have = Bytes::copy_from_slice(self.blocks[i].bytes());
             let mut sends = Vec::new();
             let mut own = Bytes::new();
             if let Some(o) = my_old {
-                let mine = old_range(o);
-                for (k, dst) in new_pos.iter().enumerate() {
-                    let Some(d) = dst else { continue };
-                    let ov = overlap(&mine, &new_range(*d));
-                    if ov.is_empty() {
-                        continue;
-                    }
-                    let part = have.slice(bytes(ov.start - mine.start)..bytes(ov.end - mine.start));
-                    if k == me {
-                        own = part;
-                    } else {
-                        sends.push(t.send_tagged(k, tag, part));
+                let plan = source_plan(global, parts.old_n, parts.new_n, o);
+                for d in plan.targets.clone().filter(|&d| plan.counts[d as usize] > 0) {
+                    let (at, n) = (plan.displs[d as usize], plan.counts[d as usize]);
+                    let part = have.slice(bytes(at)..bytes(at + n));
+                    match member_of_new[d as usize] {
+                        k if k == me => own = part,
+                        k => sends.push(t.send_tagged(k, tag, part)),
                     }
                 }
             }
@@ -271,35 +266,30 @@ impl Registry {
                 self.blocks[i] = Aligned::default();
                 continue;
             };
-            let mine = new_range(n);
-            let sources: Vec<(usize, Range<u64>)> = (0..parts.old_n as usize)
-                .map(|k| (k, overlap(&old_range(k as u32), &mine)))
-                .filter(|(k, ov)| !ov.is_empty() && *k != me)
-                .collect();
-            let recvs = sources.iter().map(|(k, _)| t.recv_tagged(Some(*k), TagMatch::Tag(tag)));
+            let plan = drain_plan(global, parts.old_n, parts.new_n, n);
+            let sources: Vec<usize> =
+                plan.sources.clone().map(|s| s as usize).filter(|&s| plan.counts[s] > 0 && s != me).collect();
+            let recvs = sources.iter().map(|&k| t.recv_tagged(Some(k), TagMatch::Tag(tag)));
             let (_, got) = futures_util::future::try_join(
                 futures_util::future::try_join_all(sends),
                 futures_util::future::try_join_all(recvs),
             )
             .await?;
-            let mut block = Aligned::zeroed(bytes(mine.end - mine.start));
-            let mut place = |ov: &Range<u64>, b: &[u8], src: usize| -> Result<()> {
-                let want = bytes(ov.end - ov.start);
+            let mut block = Aligned::zeroed(bytes(*plan.displs.last().unwrap_or(&0)));
+            let mut place = |src: usize, b: &[u8]| -> Result<()> {
+                let want = bytes(plan.counts[src]);
                 if b.len() != want {
                     return Err(Error::LengthMismatch { what: "redistribution", expected: want, got: b.len(), src });
                 }
-                let at = bytes(ov.start - mine.start);
+                let at = bytes(plan.displs[src]);
                 block.bytes_mut()[at..at + want].copy_from_slice(b);
                 Ok(())
             };
-            if let Some(o) = my_old {
-                let ov = overlap(&old_range(o), &mine);
-                if !ov.is_empty() {
-                    place(&ov, &own, me)?;
-                }
+            if my_old.is_some_and(|o| plan.counts[o as usize] > 0) {
+                place(me, &own)?;
             }
-            for ((k, ov), (b, _)) in sources.iter().zip(got) {
-                place(ov, &b, *k)?;
+            for (&k, (b, _)) in sources.iter().zip(got) {
+                place(k, &b)?;
             }
             self.blocks[i] = block;
         }
@@ -349,11 +339,5 @@ mod tests {
         let mut joined = Registry::default();
         joined.adopt(root.manifest(), true).unwrap();
         assert_eq!(joined.replicated::<u32>("it").unwrap(), 3);
-    }
-
-    #[test]
-    fn overlaps() {
-        assert_eq!(overlap(&(0..5), &(3..9)), 3..5);
-        assert_eq!(overlap(&(0..3), &(5..9)).count(), 0);
     }
 }
