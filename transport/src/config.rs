@@ -19,6 +19,7 @@ pub struct TransportConfig {
     handshake_timeout: Duration,
     max_payload: u64,
     bind_host: IpAddr,
+    fabric_provider: Option<String>,
 }
 
 impl Default for TransportConfig {
@@ -28,6 +29,7 @@ impl Default for TransportConfig {
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             max_payload: DEFAULT_MAX_PAYLOAD,
             bind_host: DEFAULT_BIND_HOST,
+            fabric_provider: None,
         }
     }
 }
@@ -60,6 +62,21 @@ impl TransportConfig {
     pub fn bind_host(mut self, host: IpAddr) -> Self {
         self.bind_host = host;
         self
+    }
+
+    /// Sets the libfabric provider the `fabric` backend asks for (`tcp;ofi_rxm`, `shm`,
+    /// `verbs;ofi_rxm`, ...). Unset: the `FI_PROVIDER` environment variable, then
+    /// libfabric's own choice.
+    #[must_use]
+    pub fn fabric_provider(mut self, provider: impl Into<String>) -> Self {
+        self.fabric_provider = Some(provider.into());
+        self
+    }
+
+    /// The libfabric provider asked for, if set.
+    #[must_use]
+    pub fn get_fabric_provider(&self) -> Option<&str> {
+        self.fabric_provider.as_deref()
     }
 
     /// The connect timeout.

@@ -153,6 +153,15 @@ pub enum TransportError {
         /// The missing capability.
         what: &'static str,
     },
+    /// A one-sided read failed at or because of the window's owner (unknown window,
+    /// range outside it, or a malformed reply).
+    #[error("get from {peer} failed: {what}")]
+    Window {
+        /// The window's owner.
+        peer: Rank,
+        /// Why.
+        what: String,
+    },
     /// This endpoint was closed.
     #[error("the endpoint is closed")]
     Closed,

@@ -10,11 +10,17 @@
 //! |--------|--------------------------------|
 //! | 0..2   | magic `0xD7C7` (little endian) |
 //! | 2      | version (1)                    |
-//! | 3      | kind (1 data, 2 goodbye)       |
+//! | 3      | kind (see below)               |
 //! | 4..8   | source rank                    |
 //! | 8..12  | context                        |
 //! | 12..16 | tag                            |
 //! | 16..24 | payload length                 |
+//!
+//! Kinds: 1 data (a tagged message), 2 goodbye (no fields, nothing follows), and the
+//! one-sided reads of [`crate::window`]: 3 get request (payload: window, offset,
+//! length), 4 get reply (payload: the bytes), 5 get refusal (payload: the reason).
+//! The three get kinds carry the request id in the context (high half) and tag (low
+//! half) fields.
 
 use crate::error::FrameError;
 use crate::ids::{Context, Rank, Tag};
@@ -33,6 +39,12 @@ pub enum FrameKind {
     Data,
     /// The sender closes its endpoint; nothing follows.
     Bye,
+    /// A get request.
+    GetRequest,
+    /// The bytes a get asked for.
+    GetReply,
+    /// A get refused by the window's owner.
+    GetRefusal,
 }
 
 impl FrameKind {
@@ -40,6 +52,9 @@ impl FrameKind {
         match self {
             Self::Data => 1,
             Self::Bye => 2,
+            Self::GetRequest => 3,
+            Self::GetReply => 4,
+            Self::GetRefusal => 5,
         }
     }
 
@@ -47,6 +62,9 @@ impl FrameKind {
         match c {
             1 => Ok(Self::Data),
             2 => Ok(Self::Bye),
+            3 => Ok(Self::GetRequest),
+            4 => Ok(Self::GetReply),
+            5 => Ok(Self::GetRefusal),
             other => Err(FrameError::UnknownKind(other)),
         }
     }
@@ -87,6 +105,21 @@ impl FrameHeader {
     #[must_use]
     pub fn bye(src: Rank) -> Self {
         Self { kind: FrameKind::Bye, src, ctx: Context(0), tag: Tag(0), len: 0 }
+    }
+
+    /// A header of one of the get kinds, carrying request `id`.
+    #[must_use]
+    pub fn get(kind: FrameKind, src: Rank, id: u64, len: u64) -> Self {
+        // The id is split over the two 32-bit fields; the casts keep each half.
+        #[allow(clippy::cast_possible_truncation)]
+        let (hi, lo) = ((id >> 32) as u32, id as u32);
+        Self { kind, src, ctx: Context(hi), tag: Tag(lo), len }
+    }
+
+    /// The request id of a get-kind header.
+    #[must_use]
+    pub fn request_id(&self) -> u64 {
+        (u64::from(self.ctx.0) << 32) | u64::from(self.tag.0)
     }
 
     /// The header's wire bytes.
@@ -132,6 +165,12 @@ impl FrameHeader {
         if kind == FrameKind::Bye && (len != 0 || ctx.0 != 0 || tag.0 != 0) {
             return Err(FrameError::Malformed("goodbye frame with fields set"));
         }
+        if kind == FrameKind::GetRequest && len != crate::window::REQUEST_LEN as u64 {
+            return Err(FrameError::Malformed("get request of the wrong length"));
+        }
+        if kind == FrameKind::GetRefusal && len != crate::window::REFUSAL_LEN as u64 {
+            return Err(FrameError::Malformed("get refusal of the wrong length"));
+        }
         Ok(Self { kind, src, ctx, tag, len })
     }
 }
@@ -151,6 +190,11 @@ mod tests {
         assert_eq!(FrameHeader::decode(&h.encode(), limits(3)), Ok(h));
         let b = FrameHeader::bye(Rank(3));
         assert_eq!(FrameHeader::decode(&b.encode(), limits(3)), Ok(b));
+        let g = FrameHeader::get(FrameKind::GetReply, Rank(3), 0x1234_5678_9abc_def0, 77);
+        assert_eq!(FrameHeader::decode(&g.encode(), limits(3)), Ok(g));
+        assert_eq!(g.request_id(), 0x1234_5678_9abc_def0);
+        let bad = FrameHeader::get(FrameKind::GetRequest, Rank(3), 1, 7);
+        assert!(matches!(FrameHeader::decode(&bad.encode(), limits(3)), Err(FrameError::Malformed(_))));
     }
 
     #[test]

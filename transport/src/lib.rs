@@ -8,6 +8,7 @@
 //! - [`matching`]: the (context, source, tag) matching engine every backend delivers into.
 //! - [`transport`]: the object-safe [`Transport`] trait, the backend registry
 //!   ([`bind`]) and the [`Endpoint`] the runtime uses.
+//! - [`window`]: memory exposed for one-sided reads (gets), shared by the backends.
 //! - [`tcp`]: the default backend on tokio; [`mem`]: an in-process backend for tests.
 //!
 //! Terms: a *rank* is a process's index in its job's endpoint table; a *context*
@@ -23,10 +24,16 @@ pub mod matching;
 pub mod mem;
 mod sys;
 pub mod tcp;
+#[cfg(feature = "quic")]
+pub mod quic;
+#[cfg(feature = "fabric")]
+pub mod fabric;
 pub mod transport;
+pub mod window;
 
 pub use config::TransportConfig;
 pub use error::{AuthError, FrameError, TransportError};
 pub use ids::{Context, JobId, JobKey, NodeId, Rank, Tag};
 pub use matching::{Envelope, Mailbox, Pattern, SrcMatch, TagMatch};
+pub use window::{WindowError, WindowId};
 pub use transport::{bind, BoxFuture, Capabilities, Endpoint, EndpointAddr, PendingRecv, Transport, TransportSetup};

@@ -5,6 +5,7 @@ use crate::error::TransportError;
 use crate::ids::{Context, Rank, Tag};
 use crate::matching::{Envelope, Mailbox, PeerEnd};
 use crate::transport::{BoxFuture, Capabilities, Endpoint, EndpointAddr, Transport};
+use crate::window::{GetRequest, WindowId, WindowTable};
 use bytes::Bytes;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -13,6 +14,7 @@ use std::sync::Arc;
 pub struct MemHub {
     mailboxes: Vec<Arc<Mailbox>>,
     closed: Vec<AtomicBool>,
+    windows: Vec<WindowTable>,
 }
 
 impl MemHub {
@@ -22,6 +24,7 @@ impl MemHub {
         let hub = Arc::new(Self {
             mailboxes: (0..size).map(|_| Arc::new(Mailbox::new())).collect(),
             closed: (0..size).map(|_| AtomicBool::new(false)).collect(),
+            windows: (0..size).map(|_| WindowTable::new()).collect(),
         });
         (0..size)
             .map(|r| {
@@ -44,7 +47,7 @@ impl Transport for MemTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { tagged: true, one_sided: false }
+        Capabilities { tagged: true, one_sided: true }
     }
 
     fn local_addr(&self) -> EndpointAddr {
@@ -65,6 +68,27 @@ impl Transport for MemTransport {
                 mb.deliver(Envelope { src, ctx, tag, payload });
                 Ok(())
             }
+        };
+        Box::pin(async move { res })
+    }
+
+    fn expose(&self, region: Bytes) -> Result<WindowId, TransportError> {
+        Ok(self.hub.windows[self.rank.index()].expose(region))
+    }
+
+    fn withdraw(&self, id: WindowId) -> Result<Bytes, TransportError> {
+        self.hub.windows[self.rank.index()]
+            .withdraw(id)
+            .map_err(|e| TransportError::Window { peer: self.rank, what: e.to_string() })
+    }
+
+    fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> BoxFuture<'_, Result<Bytes, TransportError>> {
+        let res = match self.hub.windows.get(dst.index()) {
+            None => Err(TransportError::UnknownPeer(dst)),
+            Some(_) if self.hub.closed[dst.index()].load(Ordering::Acquire) => Err(TransportError::PeerClosed(dst)),
+            Some(t) => t
+                .read(GetRequest { window: id, offset, len })
+                .map_err(|e| TransportError::Window { peer: dst, what: e.to_string() }),
         };
         Box::pin(async move { res })
     }

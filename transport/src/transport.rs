@@ -6,6 +6,7 @@ use crate::config::TransportConfig;
 use crate::error::TransportError;
 use crate::ids::{Context, Rank, Tag};
 use crate::matching::{Envelope, Mailbox, Pattern, Posting};
+use crate::window::WindowId;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -79,6 +80,39 @@ pub trait Transport: Send + Sync + 'static {
     /// A blocking call on this thread ended: data it left for its own polling to move
     /// is handed to the backend's progress tasks.
     fn call_end(&self) {}
+
+    /// Exposes `region` for one-sided reads by peers under a fresh id.
+    ///
+    /// # Local
+    /// A registration on this endpoint only; nothing is sent.
+    ///
+    /// # Errors
+    /// The backend has no one-sided reads, or cannot register the memory.
+    fn expose(&self, region: Bytes) -> Result<WindowId, TransportError> {
+        let _ = region;
+        Err(TransportError::Unsupported { transport: self.name(), what: "one-sided windows" })
+    }
+
+    /// Withdraws a window: later gets of it are refused. Returns the region.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// The window is not exposed here.
+    fn withdraw(&self, id: WindowId) -> Result<Bytes, TransportError> {
+        let _ = id;
+        Err(TransportError::Unsupported { transport: self.name(), what: "one-sided windows" })
+    }
+
+    /// Reads `len` bytes at `offset` of `dst`'s window `id` into a new local buffer.
+    /// The future completes once the bytes are here (or the owner refused the range);
+    /// the owner's application thread takes no part. A get of this endpoint's own
+    /// window is served locally. Dropping the future abandons the get.
+    fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> BoxFuture<'_, Result<Bytes, TransportError>> {
+        let _ = (dst, id, offset, len);
+        let name = self.name();
+        Box::pin(async move { Err(TransportError::Unsupported { transport: name, what: "one-sided windows" }) })
+    }
 }
 
 thread_local! {
@@ -113,7 +147,13 @@ pub struct TransportSetup {
 /// The names of the backends this build can bind.
 #[must_use]
 pub fn backends() -> &'static [&'static str] {
-    &["tcp", "mem"]
+    &[
+        "tcp",
+        #[cfg(feature = "quic")]
+        "quic",
+        #[cfg(feature = "fabric")]
+        "fabric",
+    ]
 }
 
 /// Binds a backend by name. Needs a running tokio runtime (it spawns the backend's
@@ -124,8 +164,18 @@ pub fn backends() -> &'static [&'static str] {
 pub fn bind(name: &str, setup: TransportSetup) -> Result<Arc<dyn Transport>, TransportError> {
     match name {
         "tcp" => Ok(Arc::new(crate::tcp::TcpTransport::bind(setup)?)),
+        #[cfg(feature = "quic")]
+        "quic" => Ok(Arc::new(crate::quic::QuicTransport::bind(setup)?)),
+        #[cfg(feature = "fabric")]
+        "fabric" => Ok(Arc::new(crate::fabric::FabricTransport::bind(setup)?)),
         "mem" => Err(TransportError::Unsupported { transport: "mem", what: "binding by name (use MemHub)" }),
-        _ => Err(TransportError::Unsupported { transport: "ductile", what: "this transport name (known: tcp)" }),
+        #[cfg(not(feature = "quic"))]
+        "quic" => Err(TransportError::Unsupported { transport: "quic", what: "this build (cargo feature `quic`)" }),
+        #[cfg(not(feature = "fabric"))]
+        "fabric" => {
+            Err(TransportError::Unsupported { transport: "fabric", what: "this build (cargo feature `fabric`)" })
+        }
+        _ => Err(TransportError::Unsupported { transport: "ductile", what: "this transport name" }),
     }
 }
 
@@ -225,6 +275,50 @@ impl Endpoint {
         match tokio::time::timeout(timeout, pending).await {
             Ok(r) => r,
             Err(_) => Err(TransportError::Timeout { what: describe(&pattern), after: timeout }),
+        }
+    }
+}
+
+impl Endpoint {
+    /// Exposes `region` for gets by peers; see [`Transport::expose`].
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// The backend has no windows or cannot register the memory.
+    pub fn expose(&self, region: Bytes) -> Result<WindowId, TransportError> {
+        self.transport.expose(region)
+    }
+
+    /// Withdraws a window; see [`Transport::withdraw`].
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// The window is not exposed here.
+    pub fn withdraw(&self, id: WindowId) -> Result<Bytes, TransportError> {
+        self.transport.withdraw(id)
+    }
+
+    /// Reads `len` bytes at `offset` of `dst`'s window `id`, within `timeout`.
+    ///
+    /// # Errors
+    /// A refusal by the owner (unknown window, range outside it), the owner's loss,
+    /// or a timeout naming the owner and the window.
+    pub async fn get(
+        &self,
+        dst: Rank,
+        id: WindowId,
+        offset: u64,
+        len: u64,
+        timeout: Duration,
+    ) -> Result<Bytes, TransportError> {
+        match tokio::time::timeout(timeout, self.transport.get(dst, id, offset, len)).await {
+            Ok(r) => r,
+            Err(_) => Err(TransportError::Timeout {
+                what: format!("a get of {len} bytes at {offset} of {id} of {dst}"),
+                after: timeout,
+            }),
         }
     }
 }

@@ -17,6 +17,7 @@ use crate::error::{FrameError, TransportError};
 use crate::frame::{FrameHeader, FrameKind, FrameLimits, HEADER_LEN};
 use crate::ids::Rank;
 use crate::matching::{Envelope, Mailbox, PeerEnd};
+use crate::window::{self, GetRequest, GetTable, WindowError, WindowTable};
 use bytes::{Buf, BufMut, BytesMut};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token};
@@ -53,11 +54,33 @@ struct ReadState {
     received: u64,
 }
 
+/// A get request read off a connection, with what the window table answered; the
+/// backend's window server task sends the reply.
+pub(super) struct Served {
+    /// Who asked.
+    pub(super) peer: Rank,
+    /// The request id to answer.
+    pub(super) id: u64,
+    /// The bytes (a reference into the window) or the refusal.
+    pub(super) reply: Result<bytes::Bytes, WindowError>,
+}
+
+/// Where the reader hands what is not a tagged message.
+pub(super) struct OneSided {
+    /// Our exposed windows, read when a request arrives.
+    pub(super) windows: Arc<WindowTable>,
+    /// Our gets in flight, completed by replies.
+    pub(super) gets: Arc<GetTable>,
+    /// The window server task.
+    pub(super) serve: tokio::sync::mpsc::UnboundedSender<Served>,
+}
+
 /// The inbound connections of one endpoint and their progress thread.
 pub(super) struct Reader {
     me: Rank,
     max_payload: u64,
     mailbox: Arc<Mailbox>,
+    one_sided: OneSided,
     conns: Mutex<HashMap<Token, Arc<Inbound>>>,
     next_token: AtomicUsize,
     registry: mio::Registry,
@@ -74,13 +97,19 @@ pub(super) struct Reader {
 
 impl Reader {
     /// Creates the reader and starts its progress thread.
-    pub(super) fn start(me: Rank, max_payload: u64, mailbox: Arc<Mailbox>) -> std::io::Result<Arc<Self>> {
+    pub(super) fn start(
+        me: Rank,
+        max_payload: u64,
+        mailbox: Arc<Mailbox>,
+        one_sided: OneSided,
+    ) -> std::io::Result<Arc<Self>> {
         let poll = Poll::new()?;
         let registry = poll.registry().try_clone()?;
         let reader = Arc::new(Self {
             me,
             max_payload,
             mailbox,
+            one_sided,
             conns: Mutex::new(HashMap::new()),
             next_token: AtomicUsize::new(0),
             registry,
@@ -220,7 +249,7 @@ impl Reader {
                     return Ok(false);
                 }
                 let (h, big) = st.big.take().expect("checked just above");
-                self.mailbox.deliver(Envelope { src: peer, ctx: h.ctx, tag: h.tag, payload: big.freeze() });
+                self.dispatch(peer, h, big.freeze())?;
                 continue;
             }
             if st.buf.len() < HEADER_LEN {
@@ -243,7 +272,7 @@ impl Reader {
                 }
                 st.buf.advance(HEADER_LEN);
                 let payload = st.buf.split_to(len).freeze();
-                self.mailbox.deliver(Envelope { src: peer, ctx: h.ctx, tag: h.tag, payload });
+                self.dispatch(peer, h, payload)?;
             } else {
                 st.buf.advance(HEADER_LEN);
                 let mut big = BytesMut::with_capacity(len);
@@ -253,6 +282,43 @@ impl Reader {
                 st.big = Some((h, big));
             }
         }
+    }
+
+    /// Hands one complete frame to where it goes.
+    fn dispatch(&self, peer: Rank, h: FrameHeader, payload: bytes::Bytes) -> Result<(), TransportError> {
+        let malformed = |what| TransportError::Frame { peer, source: FrameError::Malformed(what) };
+        let os = &self.one_sided;
+        match h.kind {
+            FrameKind::Data => self.mailbox.deliver(Envelope { src: peer, ctx: h.ctx, tag: h.tag, payload }),
+            FrameKind::GetRequest => {
+                let req = GetRequest::decode(&payload).ok_or_else(|| malformed("get request"))?;
+                let reply = os.windows.read(req).and_then(|b| {
+                    if b.len() as u64 > self.max_payload {
+                        Err(WindowError::TooLarge { len: b.len() as u64, cap: self.max_payload })
+                    } else {
+                        Ok(b)
+                    }
+                });
+                if let Err(e) = &reply {
+                    tracing::warn!("{}: refused a get by {peer}: {e}", self.me);
+                }
+                // The server task ends only when the backend shuts down.
+                let _ = os.serve.send(Served { peer, id: h.request_id(), reply });
+            }
+            FrameKind::GetReply => {
+                if let Err(e) = os.gets.complete(peer, h.request_id(), Ok(payload)) {
+                    tracing::warn!("{}: {e}", self.me);
+                }
+            }
+            FrameKind::GetRefusal => {
+                let why = window::decode_refusal(&payload).ok_or_else(|| malformed("get refusal"))?;
+                if let Err(e) = os.gets.complete(peer, h.request_id(), Err(why)) {
+                    tracing::warn!("{}: {e}", self.me);
+                }
+            }
+            FrameKind::Bye => return Err(malformed("goodbye inside a frame")),
+        }
+        Ok(())
     }
 
     /// Reads until `WouldBlock`, delivering complete frames. True once the connection
@@ -300,9 +366,14 @@ impl Reader {
         }
         st.buf.clear();
         st.big = None;
+        let gets = &self.one_sided.gets;
         match how {
-            Ok(()) => self.mailbox.peer_ended(conn.peer, PeerEnd::Closed),
+            Ok(()) => {
+                gets.fail_peer(conn.peer, || TransportError::PeerClosed(conn.peer));
+                self.mailbox.peer_ended(conn.peer, PeerEnd::Closed);
+            }
             Err(e) => {
+                gets.fail_peer(conn.peer, || TransportError::PeerLost(conn.peer));
                 if !self.shutdown.load(Ordering::Acquire) {
                     tracing::error!("{}: connection from {} dropped: {e}", self.me, conn.peer);
                 }

@@ -12,21 +12,29 @@
 //! directions itself ([`Transport::progress`]), so data keeps flowing without waking
 //! other threads; the progress thread and writer tasks take over when it sleeps or
 //! goes back to computing.
+//!
+//! One-sided reads ([`crate::window`]): a get request travels like a message; the
+//! target's reader looks the range up in its window table and hands the reply (a
+//! reference into the window, no copy) to the window server task, which sends it back
+//! on the target's own connection to the reader. The application thread that owns the
+//! window takes no part.
 
 use crate::auth::{self, HandshakeError, Identity};
 use crate::config::TransportConfig;
 use crate::error::TransportError;
-use crate::frame::FrameHeader;
+use crate::frame::{FrameHeader, FrameKind};
+use crate::window::{self, GetRequest, GetTable, WindowError, WindowId, WindowTable, REQUEST_LEN};
 use crate::ids::{Context, Rank, Tag};
 use crate::transport::{BoxFuture, Capabilities, EndpointAddr, Transport, TransportSetup};
 use bytes::Bytes;
-use inbound::Reader;
+use inbound::{OneSided, Reader, Served};
 use outbound::Outbound;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::task::AbortHandle;
 
 mod inbound;
@@ -42,6 +50,8 @@ struct Inner {
     out: Mutex<HashMap<Rank, Arc<Outbound>>>,
     connecting: Mutex<HashMap<Rank, Arc<tokio::sync::Mutex<()>>>>,
     reader: Arc<Reader>,
+    windows: Arc<WindowTable>,
+    gets: Arc<GetTable>,
     tasks: Mutex<Vec<AbortHandle>>,
     closed: AtomicBool,
 }
@@ -64,8 +74,13 @@ impl TcpTransport {
         std_listener.set_nonblocking(true).map_err(bind_err)?;
         let local = std_listener.local_addr().map_err(bind_err)?;
         let listener = TcpListener::from_std(std_listener).map_err(bind_err)?;
-        let reader = Reader::start(setup.identity.rank, setup.config.get_max_payload(), setup.mailbox.clone())
-            .map_err(|source| TransportError::Bind { transport: NAME, addr: host.to_string(), source })?;
+        let windows = Arc::new(WindowTable::new());
+        let gets = Arc::new(GetTable::new());
+        let (serve, requests) = tokio::sync::mpsc::unbounded_channel();
+        let one_sided = OneSided { windows: windows.clone(), gets: gets.clone(), serve };
+        let reader =
+            Reader::start(setup.identity.rank, setup.config.get_max_payload(), setup.mailbox.clone(), one_sided)
+                .map_err(|source| TransportError::Bind { transport: NAME, addr: host.to_string(), source })?;
         let inner = Arc::new(Inner {
             me: setup.identity,
             cfg: setup.config,
@@ -74,10 +89,14 @@ impl TcpTransport {
             out: Mutex::new(HashMap::new()),
             connecting: Mutex::new(HashMap::new()),
             reader,
+            windows,
+            gets,
             tasks: Mutex::new(Vec::new()),
             closed: AtomicBool::new(false),
         });
         let task = tokio::spawn(accept_loop(inner.clone(), listener));
+        lock(&inner.tasks).push(task.abort_handle());
+        let task = tokio::spawn(serve_gets(inner.clone(), requests));
         lock(&inner.tasks).push(task.abort_handle());
         Ok(Self { inner })
     }
@@ -125,7 +144,61 @@ async fn serve_inbound(inner: Arc<Inner>, mut stream: TcpStream, from: SocketAdd
     }
 }
 
+/// The window server: answers the get requests the reader hands over, each in its own
+/// task so a slow requester holds up no other. Runs on tokio, never on the thread of
+/// the application that owns the window.
+async fn serve_gets(inner: Arc<Inner>, mut requests: UnboundedReceiver<Served>) {
+    while let Some(served) = requests.recv().await {
+        let inner = inner.clone();
+        tokio::spawn(async move { inner.reply(served).await });
+    }
+}
+
 impl Inner {
+    async fn reply(&self, s: Served) {
+        if self.closed.load(Ordering::Acquire) {
+            return;
+        }
+        let (kind, payload) = match s.reply {
+            Ok(bytes) => (FrameKind::GetReply, bytes),
+            Err(why) => (FrameKind::GetRefusal, Bytes::from(window::encode_refusal(&why))),
+        };
+        let header = FrameHeader::get(kind, self.me.rank, s.id, payload.len() as u64).encode();
+        let sent = match self.outbound(s.peer).await {
+            Ok(out) => out.send(header, payload).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = sent {
+            tracing::warn!("{}: cannot answer a get by {}: {e}", self.me.rank, s.peer);
+        }
+    }
+
+    async fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> Result<Bytes, TransportError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(TransportError::Closed);
+        }
+        let req = GetRequest { window: id, offset, len };
+        let refused = |peer, e: WindowError| TransportError::Window { peer, what: e.to_string() };
+        if dst == self.me.rank {
+            return self.windows.read(req).map_err(|e| refused(dst, e));
+        }
+        let cap = self.cfg.get_max_payload();
+        if len > cap {
+            return Err(refused(dst, WindowError::TooLarge { len, cap }));
+        }
+        let (rid, rx) = self.gets.start(dst, len);
+        let header = FrameHeader::get(FrameKind::GetRequest, self.me.rank, rid, REQUEST_LEN as u64).encode();
+        let sent = match self.outbound(dst).await {
+            Ok(out) => out.send(header, Bytes::copy_from_slice(&req.encode())).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = sent {
+            self.gets.cancel(rid);
+            return Err(e);
+        }
+        window::await_get(&self.gets, rid, rx).await
+    }
+
     /// The connection to `dst`, opened (and authenticated) on first use.
     async fn outbound(&self, dst: Rank) -> Result<Arc<Outbound>, TransportError> {
         if let Some(o) = lock(&self.out).get(&dst) {
@@ -211,6 +284,7 @@ impl Inner {
             t.abort();
         }
         self.reader.shutdown();
+        self.gets.fail_all();
     }
 }
 
@@ -220,7 +294,7 @@ impl Transport for TcpTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { tagged: true, one_sided: false }
+        Capabilities { tagged: true, one_sided: true }
     }
 
     fn local_addr(&self) -> EndpointAddr {
@@ -253,6 +327,18 @@ impl Transport for TcpTransport {
 
     fn close(&self) -> BoxFuture<'_, ()> {
         Box::pin(self.inner.close())
+    }
+
+    fn expose(&self, region: Bytes) -> Result<WindowId, TransportError> {
+        Ok(self.inner.windows.expose(region))
+    }
+
+    fn withdraw(&self, id: WindowId) -> Result<Bytes, TransportError> {
+        self.inner.windows.withdraw(id).map_err(|e| TransportError::Window { peer: self.inner.me.rank, what: e.to_string() })
+    }
+
+    fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> BoxFuture<'_, Result<Bytes, TransportError>> {
+        Box::pin(self.inner.get(dst, id, offset, len))
     }
 
     fn progress(&self) -> bool {

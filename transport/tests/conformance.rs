@@ -1,0 +1,303 @@
+//! One conformance suite for every transport backend.
+//!
+//! Each test is written once, against [`Backend`], and instantiated for every backend
+//! this build has by the `conformance!` macro at the bottom: tcp always, quic and
+//! fabric (with the `tcp;ofi_rxm` and `shm` providers) when their cargo features are
+//! on. Endpoints live in this process and talk over loopback (or shared memory).
+//!
+//! A peer that "dies" is an endpoint dropped without `close()`: no goodbye is sent and
+//! its sockets or queues vanish, as when its process is killed. Multi-process deaths are
+//! covered by the launcher tests.
+
+use bytes::Bytes;
+use ductile_transport::auth::Identity;
+use ductile_transport::matching::{Pattern, SrcMatch, TagMatch};
+use ductile_transport::{
+    bind, Context, Endpoint, JobId, JobKey, Mailbox, Rank, Tag, TransportConfig, TransportError, TransportSetup,
+    WindowId,
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(20);
+
+/// A backend as the suite binds it: its registered name and its settings.
+#[derive(Clone)]
+struct Backend {
+    name: &'static str,
+    provider: Option<&'static str>,
+}
+
+impl Backend {
+    fn config(&self) -> TransportConfig {
+        let cfg = TransportConfig::default().handshake_timeout(Duration::from_millis(500));
+        match self.provider {
+            Some(p) => cfg.fabric_provider(p),
+            None => cfg,
+        }
+    }
+
+    fn endpoint(&self, job: u64, key: u8, rank: u32, size: u32) -> Endpoint {
+        let mailbox = Arc::new(Mailbox::new());
+        let setup = TransportSetup {
+            identity: Identity { job: JobId(job), key: JobKey::from_bytes([key; 32]), rank: Rank(rank) },
+            size,
+            config: self.config(),
+            mailbox: mailbox.clone(),
+        };
+        let t = bind(self.name, setup).unwrap_or_else(|e| panic!("binding {}: {e}", self.name));
+        Endpoint::new(t, mailbox, Rank(rank))
+    }
+
+    /// `size` endpoints of one job, each knowing the others' addresses.
+    fn job(&self, size: u32, key: u8) -> Vec<Endpoint> {
+        let eps: Vec<Endpoint> = (0..size).map(|r| self.endpoint(77, key, r, size)).collect();
+        let table: Vec<_> = eps.iter().map(|e| e.transport().local_addr()).collect();
+        for e in &eps {
+            e.transport().set_peers(&table).unwrap();
+        }
+        eps
+    }
+}
+
+fn from(src: u32, tag: u32) -> Pattern {
+    Pattern { ctx: Context(0), src: SrcMatch::Rank(Rank(src)), tag: TagMatch::Tag(Tag(tag)) }
+}
+
+fn pattern(src: u32, k: u32) -> u8 {
+    // Position- and message-dependent bytes, so a shifted or swapped buffer shows.
+    (src.wrapping_mul(31).wrapping_add(k.wrapping_mul(7)) % 251) as u8
+}
+
+fn body(n: usize, seed: u32) -> Bytes {
+    Bytes::from((0..n).map(|k| pattern(seed, k as u32)).collect::<Vec<u8>>())
+}
+
+fn check(b: &[u8], n: usize, seed: u32) {
+    assert_eq!(b.len(), n, "length of message {seed}");
+    if let Some(k) = (0..n).find(|&k| b[k] != pattern(seed, k as u32)) {
+        panic!("message {seed} of {n} bytes differs at byte {k}");
+    }
+}
+
+async fn sizes_from_zero_to_256_mib_arrive_intact(b: Backend) {
+    let eps = b.job(2, 1);
+    let sizes = [0usize, 1, 8, 100, 16 * 1024, 65_537, 1 << 20, 4 << 20, 256 << 20];
+    let recv = eps[1].clone();
+    let reader = tokio::spawn(async move {
+        for (i, &n) in sizes.iter().enumerate() {
+            let e = recv.recv(from(0, 9), T).await.unwrap();
+            check(&e.payload, n, i as u32);
+        }
+    });
+    for (i, &n) in sizes.iter().enumerate() {
+        eps[0].send(Rank(1), Context(0), Tag(9), body(n, i as u32)).await.unwrap();
+    }
+    reader.await.unwrap();
+    close_all(&eps).await;
+}
+
+async fn order_holds_per_source_and_tag(b: Backend) {
+    let eps = b.job(3, 1);
+    // Two sources, two tags each, interleaved; receives by (source, tag) see each
+    // stream in the order sent, whatever the order the streams are drained in.
+    for i in 0..50u32 {
+        for src in [1usize, 2] {
+            for tag in [5u32, 6] {
+                let msg = Bytes::from(format!("{src}/{tag}/{i}"));
+                eps[src].send(Rank(0), Context(0), Tag(tag), msg).await.unwrap();
+            }
+        }
+    }
+    for (src, tag) in [(2u32, 6u32), (1, 5), (2, 5), (1, 6)] {
+        for i in 0..50u32 {
+            let e = eps[0].recv(from(src, tag), T).await.unwrap();
+            assert_eq!(e.payload, Bytes::from(format!("{src}/{tag}/{i}")));
+        }
+    }
+    assert_eq!(eps[0].mailbox().queued(), 0);
+    close_all(&eps).await;
+}
+
+async fn wildcards_contexts_and_self_sends_match(b: Backend) {
+    let eps = b.job(3, 1);
+    eps[1].send(Rank(0), Context(0), Tag(1), Bytes::from_static(b"one")).await.unwrap();
+    eps[2].send(Rank(0), Context(0), Tag(2), Bytes::from_static(b"two")).await.unwrap();
+    eps[0].send(Rank(0), Context(0), Tag(3), Bytes::from_static(b"self")).await.unwrap();
+    eps[1].send(Rank(0), Context(4), Tag(1), Bytes::from_static(b"other context")).await.unwrap();
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        let any = Pattern { ctx: Context(0), src: SrcMatch::Any, tag: TagMatch::Any };
+        let e = eps[0].recv(any, T).await.unwrap();
+        got.push((e.src.0, e.tag.0, e.payload));
+    }
+    got.sort();
+    assert_eq!(got[0], (0, 3, Bytes::from_static(b"self")));
+    assert_eq!(got[1], (1, 1, Bytes::from_static(b"one")));
+    assert_eq!(got[2], (2, 2, Bytes::from_static(b"two")));
+    let ctx4 = Pattern { ctx: Context(4), src: SrcMatch::Any, tag: TagMatch::Any };
+    assert_eq!(eps[0].recv(ctx4, T).await.unwrap().payload, &b"other context"[..]);
+    close_all(&eps).await;
+}
+
+async fn a_timeout_names_the_peer_and_loses_nothing(b: Backend) {
+    let eps = b.job(2, 1);
+    let err = eps[1].recv(from(0, 4), Duration::from_millis(50)).await.unwrap_err();
+    assert!(err.to_string().contains("rank 0"), "{err}");
+    eps[0].send(Rank(1), Context(0), Tag(4), Bytes::from_static(b"late")).await.unwrap();
+    assert_eq!(eps[1].recv(from(0, 4), T).await.unwrap().payload, &b"late"[..]);
+    close_all(&eps).await;
+}
+
+async fn a_wrong_key_delivers_nothing(b: Backend) {
+    let good = b.job(2, 1);
+    let intruder = b.endpoint(77, 2, 0, 2);
+    let table = [intruder.transport().local_addr(), good[1].transport().local_addr()];
+    intruder.transport().set_peers(&table).unwrap();
+    // Connection-oriented backends refuse the send; connectionless ones may accept it
+    // locally, but the message must never be delivered.
+    let sent = intruder.send(Rank(1), Context(0), Tag(1), Bytes::from_static(b"intruder")).await;
+    if let Err(e) = &sent {
+        let text = e.to_string();
+        assert!(text.contains("authentication") || text.contains("key"), "{text}");
+    }
+    good[0].send(Rank(1), Context(0), Tag(1), Bytes::from_static(b"friend")).await.unwrap();
+    assert_eq!(good[1].recv(from(0, 1), T).await.unwrap().payload, &b"friend"[..]);
+    let stray = good[1].recv(from(0, 1), Duration::from_millis(300)).await;
+    assert!(stray.is_err(), "a message from a wrong key was delivered");
+    assert_eq!(good[1].mailbox().queued(), 0);
+    close_all(&good).await;
+    intruder.transport().close().await;
+}
+
+async fn goodbye_fails_waiting_receives_at_once(b: Backend) {
+    let eps = b.job(3, 1);
+    eps[0].send(Rank(2), Context(0), Tag(1), Bytes::from_static(b"last")).await.unwrap();
+    eps[0].transport().close().await;
+    assert_eq!(eps[2].recv(from(0, 1), T).await.unwrap().payload, &b"last"[..]);
+    let err = eps[2].recv(from(0, 1), T).await.unwrap_err();
+    assert!(matches!(err, TransportError::PeerClosed(Rank(0))), "{err}");
+    eps[1].send(Rank(2), Context(0), Tag(1), Bytes::from_static(b"x")).await.unwrap();
+    assert_eq!(eps[2].recv(from(1, 1), T).await.unwrap().payload, &b"x"[..]);
+    close_all(&eps[1..]).await;
+}
+
+async fn a_dead_peer_is_an_error_not_a_hang(b: Backend) {
+    let mut eps = b.job(3, 1);
+    eps[0].send(Rank(2), Context(0), Tag(1), Bytes::from_static(b"before")).await.unwrap();
+    assert_eq!(eps[2].recv(from(0, 1), T).await.unwrap().payload, &b"before"[..]);
+    let window = eps[0].expose(body(1 << 20, 3)).unwrap();
+    drop(eps.remove(0));
+    let (one, two) = (&eps[0], &eps[1]);
+    // A receive from the dead peer and a get of its window end in an error naming it,
+    // before the wait's own timeout.
+    let limit = Duration::from_secs(15);
+    let started = std::time::Instant::now();
+    let err = two.recv(from(0, 1), limit).await.unwrap_err();
+    assert!(err.to_string().contains("rank 0"), "{err}");
+    assert!(!matches!(err, TransportError::Timeout { .. }), "{err}");
+    let err = one.get(Rank(0), window, 0, 1 << 20, limit).await.unwrap_err();
+    assert!(err.to_string().contains("rank 0"), "{err}");
+    assert!(started.elapsed() < 2 * limit);
+    // The survivors carry on.
+    one.send(Rank(2), Context(0), Tag(1), Bytes::from_static(b"alive")).await.unwrap();
+    assert_eq!(two.recv(from(1, 1), T).await.unwrap().payload, &b"alive"[..]);
+    close_all(&eps).await;
+}
+
+async fn gets_read_exact_ranges_of_exposed_windows(b: Backend) {
+    let eps = b.job(3, 1);
+    assert!(eps[0].transport().capabilities().one_sided);
+    let n = 4 << 20;
+    let region = body(n, 11);
+    let w = eps[1].expose(region).unwrap();
+    let empty = eps[1].expose(Bytes::new()).unwrap();
+    for (offset, len) in [(0usize, n), (0, 0), (1, 7), (n - 1, 1), (12_345, 1 << 20), (n, 0)] {
+        for reader in [0usize, 2, 1] {
+            let got = eps[reader].get(Rank(1), w, offset as u64, len as u64, T).await.unwrap();
+            assert_eq!(got.len(), len);
+            let want = body(n, 11);
+            assert!(got[..] == want[offset..offset + len], "get {offset}+{len} by {reader}");
+        }
+    }
+    assert_eq!(eps[0].get(Rank(1), empty, 0, 0, T).await.unwrap().len(), 0);
+    // Many gets in flight at once, from two readers, each completed with its own bytes.
+    let mut handles = Vec::new();
+    for reader in [0usize, 2] {
+        for k in 0..16u64 {
+            let ep = eps[reader].clone();
+            handles.push(tokio::spawn(async move { (k, ep.get(Rank(1), w, k * 4096, 4096, T).await) }));
+        }
+    }
+    let want = body(n, 11);
+    for h in handles {
+        let (k, got) = h.await.unwrap();
+        let k = k as usize;
+        assert!(got.unwrap()[..] == want[k * 4096..(k + 1) * 4096]);
+    }
+    close_all(&eps).await;
+}
+
+async fn gets_outside_a_window_are_refused_clearly(b: Backend) {
+    let eps = b.job(2, 1);
+    let w = eps[1].expose(body(1000, 1)).unwrap();
+    let err = eps[0].get(Rank(1), w, 999, 2, T).await.unwrap_err();
+    assert!(err.to_string().contains("outside"), "{err}");
+    let err = eps[0].get(Rank(1), w, u64::MAX, 2, T).await.unwrap_err();
+    assert!(err.to_string().contains("outside"), "{err}");
+    let err = eps[0].get(Rank(1), WindowId(w.0 + 100), 0, 1, T).await.unwrap_err();
+    assert!(err.to_string().contains("not exposed"), "{err}");
+    eps[1].withdraw(w).unwrap();
+    let err = eps[0].get(Rank(1), w, 0, 1, T).await.unwrap_err();
+    assert!(err.to_string().contains("not exposed"), "{err}");
+    assert!(eps[1].withdraw(w).is_err());
+    // The endpoint still works after the refusals.
+    let w2 = eps[1].expose(body(10, 2)).unwrap();
+    check(&eps[0].get(Rank(1), w2, 0, 10, T).await.unwrap(), 10, 2);
+    close_all(&eps).await;
+}
+
+async fn close_all(eps: &[Endpoint]) {
+    for e in eps {
+        e.transport().close().await;
+    }
+}
+
+macro_rules! conformance {
+    ($backend:ident, $name:expr, $provider:expr) => {
+        mod $backend {
+            use super::Backend;
+
+            fn backend() -> Backend {
+                Backend { name: $name, provider: $provider }
+            }
+
+            macro_rules! case {
+                ($test:ident) => {
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $test() {
+                        super::$test(backend()).await;
+                    }
+                };
+            }
+
+            case!(sizes_from_zero_to_256_mib_arrive_intact);
+            case!(order_holds_per_source_and_tag);
+            case!(wildcards_contexts_and_self_sends_match);
+            case!(a_timeout_names_the_peer_and_loses_nothing);
+            case!(a_wrong_key_delivers_nothing);
+            case!(goodbye_fails_waiting_receives_at_once);
+            case!(a_dead_peer_is_an_error_not_a_hang);
+            case!(gets_read_exact_ranges_of_exposed_windows);
+            case!(gets_outside_a_window_are_refused_clearly);
+        }
+    };
+}
+
+conformance!(tcp, "tcp", None);
+#[cfg(feature = "quic")]
+conformance!(quic, "quic", None);
+#[cfg(feature = "fabric")]
+conformance!(fabric_tcp, "fabric", Some("tcp;ofi_rxm"));
+#[cfg(feature = "fabric")]
+conformance!(fabric_shm, "fabric", Some("shm"));
