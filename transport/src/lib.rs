@@ -18,16 +18,16 @@
 pub mod auth;
 pub mod config;
 pub mod error;
+#[cfg(feature = "fabric")]
+pub mod fabric;
 pub mod frame;
 pub mod ids;
 pub mod matching;
 pub mod mem;
-mod sys;
-pub mod tcp;
 #[cfg(feature = "quic")]
 pub mod quic;
-#[cfg(feature = "fabric")]
-pub mod fabric;
+mod sys;
+pub mod tcp;
 pub mod transport;
 pub mod window;
 
@@ -35,5 +35,5 @@ pub use config::TransportConfig;
 pub use error::{AuthError, FrameError, TransportError};
 pub use ids::{Context, JobId, JobKey, NodeId, Rank, Tag};
 pub use matching::{Envelope, Mailbox, Pattern, SrcMatch, TagMatch};
-pub use window::{WindowError, WindowId};
 pub use transport::{bind, BoxFuture, Capabilities, Endpoint, EndpointAddr, PendingRecv, Transport, TransportSetup};
+pub use window::{WindowError, WindowId};

@@ -99,7 +99,11 @@ impl GetRequest {
         o.copy_from_slice(&b[4..12]);
         let mut l = [0u8; 8];
         l.copy_from_slice(&b[12..20]);
-        Some(Self { window: WindowId(u32::from_le_bytes(w)), offset: u64::from_le_bytes(o), len: u64::from_le_bytes(l) })
+        Some(Self {
+            window: WindowId(u32::from_le_bytes(w)),
+            offset: u64::from_le_bytes(o),
+            len: u64::from_le_bytes(l),
+        })
     }
 }
 

@@ -23,9 +23,9 @@ use crate::auth::{self, HandshakeError, Identity};
 use crate::config::TransportConfig;
 use crate::error::TransportError;
 use crate::frame::{FrameHeader, FrameKind};
-use crate::window::{self, GetRequest, GetTable, WindowError, WindowId, WindowTable, REQUEST_LEN};
 use crate::ids::{Context, Rank, Tag};
 use crate::transport::{BoxFuture, Capabilities, EndpointAddr, Transport, TransportSetup};
+use crate::window::{self, GetRequest, GetTable, WindowError, WindowId, WindowTable, REQUEST_LEN};
 use bytes::Bytes;
 use inbound::{OneSided, Reader, Served};
 use outbound::Outbound;
@@ -334,7 +334,10 @@ impl Transport for TcpTransport {
     }
 
     fn withdraw(&self, id: WindowId) -> Result<Bytes, TransportError> {
-        self.inner.windows.withdraw(id).map_err(|e| TransportError::Window { peer: self.inner.me.rank, what: e.to_string() })
+        self.inner
+            .windows
+            .withdraw(id)
+            .map_err(|e| TransportError::Window { peer: self.inner.me.rank, what: e.to_string() })
     }
 
     fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> BoxFuture<'_, Result<Bytes, TransportError>> {

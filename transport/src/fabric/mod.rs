@@ -1,0 +1,1 @@
+//! The libfabric backend (being written).

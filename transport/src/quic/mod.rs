@@ -1,0 +1,1 @@
+//! The QUIC backend (being written).
