@@ -76,9 +76,13 @@ pub struct RunArgs {
     /// Write a JSON report of the job here.
     #[arg(long, value_name = "FILE.json")]
     pub report: Option<PathBuf>,
-    /// Transport between ranks.
-    #[arg(long, default_value = "tcp", value_parser = ["tcp"])]
+    /// Transport between ranks: tcp, quic (TLS 1.3) or fabric (libfabric).
+    #[arg(long, default_value = "tcp", value_parser = parse_transport)]
     pub transport: String,
+    /// libfabric provider of `--transport fabric` (`tcp;ofi_rxm`, `shm`, `verbs;ofi_rxm`,
+    /// ...); default: `FI_PROVIDER`, then libfabric's choice.
+    #[arg(long, value_name = "PROVIDER")]
+    pub fabric_provider: Option<String>,
     /// Print the node map (and, for a `steps:` policy, every planned change) and exit
     /// without starting anything.
     #[arg(long)]
@@ -104,6 +108,17 @@ pub enum MethodArg {
     Merge,
     /// Spawn the whole target, end the sources.
     Baseline,
+}
+
+fn parse_transport(s: &str) -> Result<String, String> {
+    let built = ductile_transport::transport::backends();
+    if built.contains(&s) {
+        return Ok(s.to_string());
+    }
+    if ["quic", "fabric"].contains(&s) {
+        return Err(format!("this ductile was built without the {s} transport (cargo feature `{s}`)"));
+    }
+    Err(format!("unknown transport (this build has: {})", built.join(", ")))
 }
 
 fn parse_policy(s: &str) -> Result<PolicySpec, String> {
@@ -219,7 +234,10 @@ impl RunArgs {
             args: command.collect(),
             tag_output: self.tag_output,
             timeout: self.timeout.map(Duration::from_secs),
-            transport: self.transport,
+            transport: ductile::bootstrap::TransportSpec {
+                name: self.transport,
+                fabric_provider: self.fabric_provider,
+            },
             report: self.report,
         })
     }

@@ -2,13 +2,13 @@
 //! (length-prefixed postcard, as in `ductile::bootstrap`).
 
 use crate::plan::resize::Target;
-use ductile::bootstrap::{FromRank, Membership, ToRank};
+use ductile::bootstrap::{FromRank, Membership, ToRank, TransportSpec};
 use ductile_transport::{EndpointAddr, JobId, JobKey, NodeId, Rank};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// Version of the agent handoff.
-pub const AGENT_VERSION: u32 = 2;
+pub const AGENT_VERSION: u32 = 3;
 
 /// Everything an agent needs to start its node world.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -27,8 +27,8 @@ pub struct AgentHandoff {
     pub program: String,
     /// Its arguments.
     pub args: Vec<String>,
-    /// Transport backend.
-    pub transport: String,
+    /// Transport backend and its settings.
+    pub transport: TransportSpec,
     /// Timeout of every wait inside ranks, ms.
     pub timeout_ms: u64,
     /// Time each rank (and each node world this agent starts) has to come up, ms.

@@ -20,7 +20,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 
 /// Version of the handoff; a rank refuses a handoff of another version.
-pub const HANDOFF_VERSION: u32 = 2;
+pub const HANDOFF_VERSION: u32 = 3;
 /// The file descriptor the control channel is passed as.
 pub const CONTROL_FD: i32 = 3;
 /// Environment variable naming the control channel's descriptor.
@@ -41,12 +41,40 @@ pub struct RankHandoff {
     pub id: Rank,
     /// The node this process runs on.
     pub node: NodeId,
-    /// Transport backend name.
-    pub transport: String,
+    /// The transport to bind.
+    pub transport: TransportSpec,
     /// Timeout of every wait, in milliseconds.
     pub timeout_ms: u64,
     /// Whether the process joins a running job (it was started by a resize).
     pub joining: bool,
+}
+
+/// Which transport backend a job uses, and its settings.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransportSpec {
+    /// Backend name (`tcp`, `quic`, `fabric`).
+    pub name: String,
+    /// The libfabric provider of the `fabric` backend; unset: `FI_PROVIDER`, then
+    /// libfabric's choice.
+    pub fabric_provider: Option<String>,
+}
+
+impl TransportSpec {
+    /// A backend by name with default settings.
+    #[must_use]
+    pub fn named(name: impl Into<String>) -> Self {
+        Self { name: name.into(), fabric_provider: None }
+    }
+
+    /// The transport settings this spec asks for.
+    #[must_use]
+    pub fn config(&self) -> ductile_transport::TransportConfig {
+        let cfg = ductile_transport::TransportConfig::default();
+        match &self.fabric_provider {
+            Some(p) => cfg.fabric_provider(p.clone()),
+            None => cfg,
+        }
+    }
 }
 
 /// The job's membership in one epoch.
@@ -293,7 +321,7 @@ mod tests {
             key: JobKey::from_bytes([9; 32]),
             id: Rank(2),
             node: NodeId(1),
-            transport: "tcp".into(),
+            transport: TransportSpec::named("tcp"),
             timeout_ms: 1000,
             joining: false,
         };

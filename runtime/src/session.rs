@@ -1,7 +1,8 @@
 //! Joining a job: [`init`] and the [`Session`] it returns.
 
 use crate::bootstrap::{
-    self, Change, CheckpointMode, Decision, FromRank, Membership, RankHandoff, SwitchTimes, ToRank, HANDOFF_VERSION,
+    self, Change, CheckpointMode, Decision, FromRank, Membership, RankHandoff, SwitchTimes, ToRank, TransportSpec,
+    HANDOFF_VERSION,
 };
 use crate::env::EnvSettings;
 use crate::error::{Error, Result};
@@ -11,7 +12,7 @@ use crate::reduce::ReduceOp;
 use crate::registry::{Manifest, Parts, Registry};
 use bytemuck::Pod;
 use ductile_transport::auth::Identity;
-use ductile_transport::{Context, Endpoint, JobId, JobKey, Mailbox, NodeId, Rank, TransportConfig, TransportSetup};
+use ductile_transport::{Context, Endpoint, JobId, JobKey, Mailbox, NodeId, Rank, TransportSetup};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::os::unix::net::UnixStream;
@@ -208,7 +209,7 @@ fn standalone(rt: Runtime, env: &EnvSettings) -> Result<Session> {
         key: JobKey::random().map_err(boot)?,
         id: Rank(0),
         node: NodeId(0),
-        transport: "tcp".into(),
+        transport: TransportSpec::named("tcp"),
         timeout_ms: u64::try_from(env.timeout.as_millis()).unwrap_or(u64::MAX),
         joining: false,
     };
@@ -312,11 +313,11 @@ fn bind(rt: &Runtime, h: &RankHandoff) -> Result<Endpoint> {
     let setup = TransportSetup {
         identity: Identity { job: h.job, key: h.key.clone(), rank: h.id },
         size: h.id.0 + 1,
-        config: TransportConfig::default(),
+        config: h.transport.config(),
         mailbox: mailbox.clone(),
     };
     let _guard = rt.enter();
-    let t = ductile_transport::bind(&h.transport, setup)?;
+    let t = ductile_transport::bind(&h.transport.name, setup)?;
     Ok(Endpoint::new(t, mailbox, h.id))
 }
 
@@ -344,7 +345,7 @@ impl Session {
             node: h.node,
             nodes: node_count(&membership),
             launched: control.is_some(),
-            transport: h.transport.clone(),
+            transport: h.transport.name.clone(),
             id: h.id,
         };
         tracing::debug!("{} (rank {} of {}) joined job {} on {}", h.id, world.rank(), world.size(), h.job, h.node);

@@ -137,10 +137,10 @@ pub fn decode_refusal(b: &[u8]) -> Option<WindowError> {
         x.copy_from_slice(&b[1 + 8 * i..9 + 8 * i]);
         u64::from_le_bytes(x)
     };
-    let window = WindowId(u32::try_from(n(0)).ok()?);
+    let window = || u32::try_from(n(0)).ok().map(WindowId);
     match b[0] {
-        1 => Some(WindowError::Unknown(window)),
-        2 => Some(WindowError::OutOfRange { window, offset: n(1), len: n(2), size: n(3) }),
+        1 => Some(WindowError::Unknown(window()?)),
+        2 => Some(WindowError::OutOfRange { window: window()?, offset: n(1), len: n(2), size: n(3) }),
         3 => Some(WindowError::TooLarge { len: n(0), cap: n(1) }),
         _ => None,
     }

@@ -62,8 +62,8 @@ pub struct JobSpec {
     pub tag_output: bool,
     /// Wall-clock limit of the job.
     pub timeout: Option<Duration>,
-    /// Transport backend.
-    pub transport: String,
+    /// Transport backend and its settings.
+    pub transport: ductile::bootstrap::TransportSpec,
     /// Where to write the JSON report.
     pub report: Option<PathBuf>,
 }
