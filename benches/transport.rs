@@ -1,8 +1,12 @@
-//! Transport benchmark: 8-byte one-way latency and 4 MiB streaming bandwidth between two
-//! ranks started by `ductile run` on two simulated nodes, beside Open MPI's TCP BTL and
-//! shared memory (vader) running the C peer in `benches/peers/` in the same run.
+//! Transport benchmark: 8-byte one-way latency, 4 MiB streaming bandwidth and 4 MiB
+//! one-sided gets between two ranks started by `ductile run` on two simulated nodes, for
+//! every transport this build has (tcp; quic and fabric with the `tcp;ofi_rxm` and `shm`
+//! providers when their cargo features are on), beside `fi_pingpong` for each libfabric
+//! provider and Open MPI's TCP BTL and shared memory (vader) running the C peer in
+//! `benches/peers/`, all in the same run.
 //!
-//! `cargo bench --bench transport` (build the peer first: `benches/peers/build.sh`).
+//! `cargo bench --all-features --bench transport` (build the peer first:
+//! `benches/peers/build.sh`; `fi_pingpong` is in Debian's `libfabric-bin`).
 //!
 //! The same executable is the rank program: started by the launcher (with
 //! `DUCTILE_CONTROL_FD` set) it runs the ping-pong instead of criterion. Each criterion
@@ -22,6 +26,28 @@ const LAT_SIZE: usize = 8;
 const BW_SIZE: usize = 4 << 20;
 const TAG: u32 = 1;
 const ACK: u32 = 2;
+
+/// A ductile transport as the bench runs it.
+struct Backend {
+    label: &'static str,
+    name: &'static str,
+    provider: Option<&'static str>,
+}
+
+const BACKENDS: [Backend; 4] = [
+    Backend { label: "ductile_tcp", name: "tcp", provider: None },
+    Backend { label: "ductile_quic", name: "quic", provider: None },
+    Backend { label: "ductile_fabric_tcp", name: "fabric", provider: Some("tcp;ofi_rxm") },
+    Backend { label: "ductile_fabric_shm", name: "fabric", provider: Some("shm") },
+];
+
+/// The libfabric providers `fi_pingpong` is run with, and the domain each uses.
+const FI_PROVIDERS: [(&str, &str, &str); 2] =
+    [("fi_pingpong_tcp", "tcp;ofi_rxm", "lo"), ("fi_pingpong_shm", "shm", "")];
+
+fn built_backends() -> impl Iterator<Item = &'static Backend> {
+    BACKENDS.iter().filter(|b| ductile_transport::transport::backends().contains(&b.name))
+}
 
 /// The rank side: `MODE ITERS SIZE`, printing `elapsed_ns=N` on rank 0 (same contract as
 /// the C peer).
@@ -58,7 +84,24 @@ fn rank_main(mode: &str, iters: u64, size: usize) -> anyhow::Result<()> {
         }
         Ok(())
     };
-    let run = |n: u64| if mode == "latency" { round_trip(n) } else { stream(n) };
+    // Rank 1 exposes a window; rank 0 reads all of it `n` times, one get at a time.
+    let window = if mode == "get" && me == 1 { Some(w.expose(buf.clone())?) } else { None };
+    let mut id = window;
+    w.broadcast_value(1, &mut id)?;
+    let gets = |n: u64| -> anyhow::Result<()> {
+        if me == 0 {
+            let id = id.ok_or_else(|| anyhow::anyhow!("rank 1 exposed no window"))?;
+            for _ in 0..n {
+                anyhow::ensure!(w.get(other, id, 0, size as u64)?.len() == size, "short get");
+            }
+        }
+        Ok(())
+    };
+    let run = |n: u64| match mode {
+        "latency" => round_trip(n),
+        "get" => gets(n),
+        _ => stream(n),
+    };
     run(iters.min(100))?;
     w.barrier()?;
     let start = std::time::Instant::now();
@@ -66,6 +109,10 @@ fn rank_main(mode: &str, iters: u64, size: usize) -> anyhow::Result<()> {
     let elapsed = start.elapsed();
     if me == 0 {
         println!("elapsed_ns={}", elapsed.as_nanos());
+    }
+    w.barrier()?;
+    if let Some(id) = window {
+        w.withdraw(id)?;
     }
     session.finalize()?;
     Ok(())
@@ -81,10 +128,15 @@ fn parse_elapsed(out: &std::process::Output, what: &str) -> Duration {
     Duration::from_nanos(ns)
 }
 
-fn ductile_job(mode: &str, iters: u64, size: usize) -> Duration {
+fn ductile_job(b: &Backend, mode: &str, iters: u64, size: usize) -> Duration {
     let me = std::env::current_exe().expect("bench executable path");
-    let out = Command::new(ductile_bin())
-        .args(["run", "-n", "2", "--nodes", "2", "--timeout", "600", "--"])
+    let mut cmd = Command::new(ductile_bin());
+    cmd.args(["run", "-n", "2", "--nodes", "2", "--timeout", "600", "--transport", b.name]);
+    if let Some(p) = b.provider {
+        cmd.args(["--fabric-provider", p]);
+    }
+    let out = cmd
+        .arg("--")
         .arg(me)
         .args(["--rank", mode, &iters.to_string(), &size.to_string()])
         .output()
@@ -104,17 +156,71 @@ fn mpi_job(peer: &PathBuf, btl: &str, mode: &str, iters: u64, size: usize) -> Du
     parse_elapsed(&out, "Open MPI peer")
 }
 
+/// `fi_pingpong` over `provider`: server and client on loopback; the time of `iters`
+/// one-way transfers of `size` bytes as the client reports it (`usec/xfer`).
+fn fi_job(provider: &str, domain: &str, iters: u64, size: usize) -> Duration {
+    let mut args = vec!["-p", provider, "-e", "rdm"];
+    if !domain.is_empty() {
+        args.extend(["-d", domain]);
+    }
+    let (iters_s, size_s) = (iters.to_string(), size.to_string());
+    args.extend(["-I", &iters_s, "-S", &size_s]);
+    let mut server = Command::new("fi_pingpong")
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start fi_pingpong server");
+    // The server needs a moment to listen on its control port; retry the client.
+    let mut out = None;
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(50));
+        let o = Command::new("fi_pingpong").args(&args).arg("127.0.0.1").output().expect("start fi_pingpong");
+        if o.status.success() {
+            out = Some(o);
+            break;
+        }
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    let out = out.unwrap_or_else(|| panic!("fi_pingpong -p {provider} never connected"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    // Last line: bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec
+    let usec = text
+        .lines()
+        .last()
+        .and_then(|l| l.split_whitespace().nth(6))
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("fi_pingpong printed no usec/xfer: {text}"));
+    Duration::from_secs_f64(usec * 1e-6 * iters as f64)
+}
+
+fn have_fi_pingpong() -> bool {
+    Command::new("fi_pingpong").arg("-h").output().is_ok()
+}
+
 fn benches(c: &mut Criterion) {
     let peer = mpi_peer("pingpong");
+    let fi = have_fi_pingpong();
+    if !fi {
+        eprintln!("fi_pingpong not found (Debian libfabric-bin): its figures are skipped");
+    }
     let peers: Vec<(&str, &str)> =
         if peer.is_some() { vec![("ompi_tcp", "self,tcp"), ("ompi_vader", "self,vader")] } else { vec![] };
 
     let mut g = c.benchmark_group("transport/latency_8B_one_way");
     g.sample_size(10).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
     // One iteration is a round trip; half of it is the one-way latency.
-    g.bench_function(BenchmarkId::from_parameter("ductile_tcp"), |b| {
-        b.iter_custom(|iters| ductile_job("latency", iters, LAT_SIZE) / 2)
-    });
+    for be in built_backends() {
+        g.bench_function(BenchmarkId::from_parameter(be.label), |b| {
+            b.iter_custom(|iters| ductile_job(be, "latency", iters, LAT_SIZE) / 2)
+        });
+    }
+    for (label, provider, domain) in FI_PROVIDERS.iter().filter(|_| fi) {
+        g.bench_function(BenchmarkId::from_parameter(label), |b| {
+            b.iter_custom(|iters| fi_job(provider, domain, iters, LAT_SIZE))
+        });
+    }
     for (name, btl) in &peers {
         let p = peer.clone().expect("peer checked above");
         g.bench_function(BenchmarkId::from_parameter(name), |b| {
@@ -126,13 +232,31 @@ fn benches(c: &mut Criterion) {
     let mut g = c.benchmark_group("transport/bandwidth_4MiB_stream");
     g.sample_size(10).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
     g.throughput(Throughput::Bytes(BW_SIZE as u64));
-    g.bench_function(BenchmarkId::from_parameter("ductile_tcp"), |b| {
-        b.iter_custom(|iters| ductile_job("bandwidth", iters, BW_SIZE))
-    });
+    for be in built_backends() {
+        g.bench_function(BenchmarkId::from_parameter(be.label), |b| {
+            b.iter_custom(|iters| ductile_job(be, "bandwidth", iters, BW_SIZE))
+        });
+    }
+    // fi_pingpong has no streaming mode: its figure is a ping-pong of 4 MiB messages.
+    for (label, provider, domain) in FI_PROVIDERS.iter().filter(|_| fi) {
+        g.bench_function(BenchmarkId::from_parameter(label), |b| {
+            b.iter_custom(|iters| fi_job(provider, domain, iters, BW_SIZE))
+        });
+    }
     for (name, btl) in &peers {
         let p = peer.clone().expect("peer checked above");
         g.bench_function(BenchmarkId::from_parameter(name), |b| {
             b.iter_custom(|iters| mpi_job(&p, btl, "bandwidth", iters, BW_SIZE))
+        });
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group("transport/get_4MiB");
+    g.sample_size(10).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
+    g.throughput(Throughput::Bytes(BW_SIZE as u64));
+    for be in built_backends() {
+        g.bench_function(BenchmarkId::from_parameter(be.label), |b| {
+            b.iter_custom(|iters| ductile_job(be, "get", iters, BW_SIZE))
         });
     }
     g.finish();
@@ -148,8 +272,15 @@ criterion_group!(
 /// release profile so the jobs run the current code.
 fn build_launcher() {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    // The launcher gets the transports this bench was built with.
+    let features: Vec<&str> = [("quic", cfg!(feature = "quic")), ("fabric", cfg!(feature = "fabric"))]
+        .iter()
+        .filter(|(_, on)| *on)
+        .map(|(f, _)| *f)
+        .collect();
     let ok = Command::new(cargo)
-        .args(["build", "--release", "--quiet", "-p", "ductile-launcher", "--bin", "ductile"])
+        .args(["build", "--release", "--quiet", "-p", "ductile-launcher", "--bin", "ductile", "--features"])
+        .arg(features.join(","))
         .status()
         .is_ok_and(|s| s.success());
     assert!(ok && ductile_bin().exists(), "cannot build {}", ductile_bin().display());
@@ -160,7 +291,7 @@ fn main() {
     if args.get(1).map(String::as_str) == Some("--rank") {
         let parsed = (args.get(2), args.get(3).and_then(|v| v.parse().ok()), args.get(4).and_then(|v| v.parse().ok()));
         let (Some(mode), Some(iters), Some(size)) = parsed else {
-            eprintln!("usage: transport --rank latency|bandwidth ITERS SIZE");
+            eprintln!("usage: transport --rank latency|bandwidth|get ITERS SIZE");
             std::process::exit(2);
         };
         if let Err(e) = rank_main(mode, iters, size) {

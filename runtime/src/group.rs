@@ -10,7 +10,7 @@ use crate::pod;
 use bytemuck::Pod;
 use bytes::Bytes;
 use ductile_transport::transport::describe;
-use ductile_transport::{Context, Endpoint, Pattern, Rank, SrcMatch, Tag, TagMatch, TransportError};
+use ductile_transport::{Context, Endpoint, Pattern, Rank, SrcMatch, Tag, TagMatch, TransportError, WindowId};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::collections::HashMap;
@@ -118,6 +118,46 @@ impl AsyncGroup {
             .get(&env.src)
             .ok_or_else(|| Error::Invalid(format!("message from non-member {}", env.src)))?;
         Ok((env.payload.clone(), Status { source, tag: env.tag.0, len: env.payload.len() }))
+    }
+
+    /// Exposes `region` for one-sided reads by the group's members (and any other
+    /// endpoint of the job). Tell readers the returned id in a message.
+    ///
+    /// # Local
+    /// A registration on this endpoint; nothing is sent.
+    ///
+    /// # Errors
+    /// The transport has no one-sided reads.
+    pub fn expose(&self, region: Bytes) -> Result<WindowId> {
+        Ok(self.core.endpoint.expose(region)?)
+    }
+
+    /// Withdraws a window exposed by this process; returns its region.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// The window is not exposed here.
+    pub fn withdraw(&self, id: WindowId) -> Result<Bytes> {
+        Ok(self.core.endpoint.withdraw(id)?)
+    }
+
+    /// Reads `len` bytes at `offset` of window `id` exposed by group rank `src`. The
+    /// owner's application thread takes no part; completion is this call returning.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// Bad rank, a refusal by the owner (unknown window, range outside it), the owner's
+    /// loss, or a timeout naming the owner and the window.
+    pub async fn get(&self, src: usize, id: WindowId, offset: u64, len: u64) -> Result<Bytes> {
+        let from = self.member(src)?;
+        let ep = &self.core.endpoint;
+        if self.timed {
+            return Ok(ep.get(from, id, offset, len, self.core.timeout).await?);
+        }
+        // Inside a blocking call, which bounds the whole call.
+        Ok(ep.transport().get(from, id, offset, len).await?)
     }
 
     fn user_tag(tag: u32) -> Result<Tag> {
@@ -282,6 +322,37 @@ impl Group {
     /// As [`Group::send`].
     pub fn send_bytes(&self, dst: usize, tag: u32, payload: Bytes) -> Result<()> {
         self.block(self.inner.send_bytes(dst, tag, payload))
+    }
+
+    /// Exposes `region` for one-sided reads; see [`AsyncGroup::expose`].
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// The transport has no one-sided reads.
+    pub fn expose(&self, region: Bytes) -> Result<WindowId> {
+        self.inner.expose(region)
+    }
+
+    /// Withdraws a window; see [`AsyncGroup::withdraw`].
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// The window is not exposed here.
+    pub fn withdraw(&self, id: WindowId) -> Result<Bytes> {
+        self.inner.withdraw(id)
+    }
+
+    /// Reads `len` bytes at `offset` of window `id` of group rank `src`; see
+    /// [`AsyncGroup::get`].
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`AsyncGroup::get`].
+    pub fn get(&self, src: usize, id: WindowId, offset: u64, len: u64) -> Result<Bytes> {
+        self.block(self.inner.get(src, id, offset, len))
     }
 
     /// Sends a serde value.
