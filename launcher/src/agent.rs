@@ -176,6 +176,7 @@ async fn start_ranks(h: &AgentHandoff) -> anyhow::Result<NodeWorld> {
             transport: h.transport.clone(),
             timeout_ms: h.timeout_ms,
             joining: h.joining.is_some(),
+            redistribution: h.redistribution,
         };
         // A rank that is not a ductile program never reads this; the write still
         // succeeds into the socket buffer, and the wait for readiness reports it.

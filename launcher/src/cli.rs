@@ -76,6 +76,11 @@ pub struct RunArgs {
     /// Write a JSON report of the job here.
     #[arg(long, value_name = "FILE.json")]
     pub report: Option<PathBuf>,
+    /// How registered data moves at a resize: an alltoallv over old and new ranks
+    /// (collective), sends of each overlap (p2p), or reads from the old ranks' windows
+    /// (rma).
+    #[arg(long, value_name = "METHOD", default_value = "p2p", value_parser = parse_method)]
+    pub redistribution: ductile::Method,
     /// Transport between ranks: tcp, quic (TLS 1.3) or fabric (libfabric).
     #[arg(long, default_value = "tcp", value_parser = parse_transport)]
     pub transport: String,
@@ -108,6 +113,10 @@ pub enum MethodArg {
     Merge,
     /// Spawn the whole target, end the sources.
     Baseline,
+}
+
+fn parse_method(s: &str) -> Result<ductile::Method, String> {
+    s.parse()
 }
 
 fn parse_transport(s: &str) -> Result<String, String> {
@@ -239,6 +248,7 @@ impl RunArgs {
                 fabric_provider: self.fabric_provider,
             },
             report: self.report,
+            redistribution: self.redistribution,
         })
     }
 }

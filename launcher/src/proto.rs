@@ -29,6 +29,8 @@ pub struct AgentHandoff {
     pub args: Vec<String>,
     /// Transport backend and its settings.
     pub transport: TransportSpec,
+    /// How registered data moves at a change.
+    pub redistribution: ductile::Method,
     /// Timeout of every wait inside ranks, ms.
     pub timeout_ms: u64,
     /// Time each rank (and each node world this agent starts) has to come up, ms.

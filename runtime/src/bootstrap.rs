@@ -47,6 +47,8 @@ pub struct RankHandoff {
     pub timeout_ms: u64,
     /// Whether the process joins a running job (it was started by a resize).
     pub joining: bool,
+    /// How registered data moves at a change (`--redistribution`).
+    pub redistribution: crate::Method,
 }
 
 /// Which transport backend a job uses, and its settings.
@@ -324,6 +326,7 @@ mod tests {
             transport: TransportSpec::named("tcp"),
             timeout_ms: 1000,
             joining: false,
+            redistribution: crate::Method::Rma,
         };
         let bytes = encode(&ToRank::Handoff(h)).unwrap();
         let back: ToRank = read_msg(&mut &bytes[..]).unwrap();

@@ -13,10 +13,11 @@
 
 use crate::error::{Error, Result};
 use crate::group::AsyncGroup;
+use crate::redistribute::{Method, Move};
 use bytemuck::Pod;
 use bytes::Bytes;
-use ductile_redistrib::{block_range, drain_plan, source_plan};
-use ductile_transport::{Tag, TagMatch};
+use ductile_redistrib::block_range;
+use ductile_transport::Tag;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -25,12 +26,20 @@ pub const MAX_ALIGN: usize = 8;
 
 /// Runtime tags of redistribution messages (one per item index, low 24 bits).
 const REGISTRY_TAG: u32 = Tag::RESERVED_BASE | (0x20 << 24);
+/// Runtime tags of the one-sided executor's "done reading" notices.
+const REGISTRY_DONE_TAG: u32 = Tag::RESERVED_BASE | (0x21 << 24);
 
 /// Bytes with 8-byte alignment.
 #[derive(Clone, Debug, Default)]
 struct Aligned {
     words: Vec<u64>,
     len: usize,
+}
+
+impl AsRef<[u8]> for Aligned {
+    fn as_ref(&self) -> &[u8] {
+        self.bytes()
+    }
 }
 
 impl Aligned {
@@ -56,7 +65,7 @@ impl Aligned {
 /// What the manifest says of one item.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 enum Kind {
-    Distributed { global: u64, elem: u32, type_name: String },
+    Distributed { global: u64, elem: u32, type_name: String, method: Option<Method> },
     Replicated { value: Vec<u8> },
 }
 
@@ -102,7 +111,14 @@ impl Registry {
         Ok(())
     }
 
-    pub(crate) fn distribute<T: Pod>(&mut self, name: &str, global: u64, part: (u32, u32), block: &[T]) -> Result<()> {
+    pub(crate) fn distribute<T: Pod>(
+        &mut self,
+        name: &str,
+        global: u64,
+        part: (u32, u32),
+        block: &[T],
+        method: Option<Method>,
+    ) -> Result<()> {
         self.absent(name)?;
         let (elem, align) = (std::mem::size_of::<T>(), std::mem::align_of::<T>());
         if elem == 0 || align > MAX_ALIGN {
@@ -129,6 +145,7 @@ impl Registry {
                 global,
                 elem: u32::try_from(elem).map_err(|_| Error::Invalid("element too large".into()))?,
                 type_name: std::any::type_name::<T>().to_owned(),
+                method,
             },
         });
         self.blocks.push(Aligned::from_bytes(bytemuck::cast_slice(block)));
@@ -205,7 +222,10 @@ impl Registry {
             return Ok(());
         }
         let shape = |e: &Entry| match &e.kind {
-            Kind::Distributed { global, elem, type_name } => format!("{}: {global} x {type_name} ({elem} B)", e.name),
+            Kind::Distributed { global, elem, type_name, method } => {
+                let by = method.map_or_else(|| "the job's method".to_string(), |m| m.to_string());
+                format!("{}: {global} x {type_name} ({elem} B, moved by {by})", e.name)
+            }
             Kind::Replicated { .. } => format!("{}: replicated", e.name),
         };
         let mine: Vec<String> = self.entries.iter().map(shape).collect();
@@ -223,16 +243,20 @@ impl Registry {
 
     /// Moves every distributed item from the old blocks to the new ones over the
     /// transition group `t`, whose members `0..old_n` are the old ranks in order;
-    /// `new_pos[k]` is the new rank of transition member `k`, if it stays. Only
-    /// non-empty overlaps travel, point to point, so a process talks only to the
-    /// processes its block overlaps with.
+    /// `new_pos[k]` is the new rank of transition member `k`, if it stays. Each item
+    /// travels by its own method if it was registered with one, else by `method`.
     ///
     /// # Collective
     /// Over the transition group.
-    pub(crate) async fn redistribute(&mut self, t: &AsyncGroup, parts: Parts, new_pos: &[Option<u32>]) -> Result<()> {
+    pub(crate) async fn redistribute(
+        &mut self,
+        t: &AsyncGroup,
+        parts: Parts,
+        new_pos: &[Option<u32>],
+        method: Method,
+    ) -> Result<()> {
         let me = t.rank();
-        let old_of = |k: usize| u32::try_from(k).ok().filter(|&r| r < parts.old_n);
-        let (my_old, my_new) = (old_of(me), new_pos.get(me).copied().flatten());
+        let my_new = new_pos.get(me).copied().flatten();
         // Transition member of each new rank.
         let mut member_of_new = vec![0usize; parts.new_n as usize];
         for (k, p) in new_pos.iter().enumerate() {
@@ -241,57 +265,30 @@ impl Registry {
             }
         }
         for i in 0..self.entries.len() {
-            let (global, elem) = match &self.entries[i].kind {
-                Kind::Distributed { global, elem, .. } => (*global, u64::from(*elem)),
+            let (global, elem, own_method) = match &self.entries[i].kind {
+                Kind::Distributed { global, elem, method, .. } => (*global, u64::from(*elem), *method),
                 Kind::Replicated { .. } => continue,
             };
-            let tag = Tag(REGISTRY_TAG | (i as u32 & 0x00ff_ffff));
-            let bytes = |n: u64| usize::try_from(n * elem).unwrap_or(usize::MAX);
-            let have = Bytes::copy_from_slice(self.blocks[i].bytes());
-            let mut sends = Vec::new();
-            let mut own = Bytes::new();
-            if let Some(o) = my_old {
-                let plan = source_plan(global, parts.old_n, parts.new_n, o);
-                for d in plan.targets.clone().filter(|&d| plan.counts[d as usize] > 0) {
-                    let (at, n) = (plan.displs[d as usize], plan.counts[d as usize]);
-                    let part = have.slice(bytes(at)..bytes(at + n));
-                    match member_of_new[d as usize] {
-                        k if k == me => own = part,
-                        k => sends.push(t.send_tagged(k, tag, part)),
-                    }
-                }
-            }
-            let Some(n) = my_new else {
-                futures_util::future::try_join_all(sends).await?;
-                self.blocks[i] = Aligned::default();
-                continue;
+            let index = i as u32 & 0x00ff_ffff;
+            let mv = Move {
+                t,
+                global,
+                elem,
+                old_n: parts.old_n,
+                new_n: parts.new_n,
+                member_of_new: &member_of_new,
+                my_new,
+                tag: Tag(REGISTRY_TAG | index),
+                done_tag: Tag(REGISTRY_DONE_TAG | index),
             };
-            let plan = drain_plan(global, parts.old_n, parts.new_n, n);
-            let sources: Vec<usize> =
-                plan.sources.clone().map(|s| s as usize).filter(|&s| plan.counts[s] > 0 && s != me).collect();
-            let recvs = sources.iter().map(|&k| t.recv_tagged(Some(k), TagMatch::Tag(tag)));
-            let (_, got) = futures_util::future::try_join(
-                futures_util::future::try_join_all(sends),
-                futures_util::future::try_join_all(recvs),
-            )
-            .await?;
-            let mut block = Aligned::zeroed(bytes(*plan.displs.last().unwrap_or(&0)));
-            let mut place = |src: usize, b: &[u8]| -> Result<()> {
-                let want = bytes(plan.counts[src]);
-                if b.len() != want {
-                    return Err(Error::LengthMismatch { what: "redistribution", expected: want, got: b.len(), src });
-                }
-                let at = bytes(plan.displs[src]);
-                block.bytes_mut()[at..at + want].copy_from_slice(b);
-                Ok(())
-            };
-            if my_old.is_some_and(|o| plan.counts[o as usize] > 0) {
-                place(me, &own)?;
-            }
-            for (&k, (b, _)) in sources.iter().zip(got) {
-                place(k, &b)?;
-            }
-            self.blocks[i] = block;
+            // The old block is handed to the transport as it is, without a copy.
+            let old = Bytes::from_owner(std::mem::take(&mut self.blocks[i]));
+            let mut block = my_new.map(|n| {
+                let r = block_range(global, parts.new_n, n);
+                Aligned::zeroed(usize::try_from((r.end - r.start) * elem).unwrap_or(usize::MAX))
+            });
+            mv.run(own_method.unwrap_or(method), old, block.as_mut().map(Aligned::bytes_mut)).await?;
+            self.blocks[i] = block.unwrap_or_default();
         }
         Ok(())
     }
@@ -304,9 +301,9 @@ mod tests {
     #[test]
     fn registering_checks_blocks_types_and_names() {
         let mut r = Registry::default();
-        r.distribute::<f64>("u", 10, (1, 3), &[1.0, 2.0, 3.0]).unwrap();
-        assert!(r.distribute::<f64>("v", 10, (1, 3), &[1.0]).is_err());
-        assert!(r.distribute::<f64>("u", 10, (1, 3), &[1.0, 2.0, 3.0]).is_err());
+        r.distribute::<f64>("u", 10, (1, 3), &[1.0, 2.0, 3.0], None).unwrap();
+        assert!(r.distribute::<f64>("v", 10, (1, 3), &[1.0], None).is_err());
+        assert!(r.distribute::<f64>("u", 10, (1, 3), &[1.0, 2.0, 3.0], None).is_err());
         assert_eq!(r.block::<f64>("u").unwrap(), &[1.0, 2.0, 3.0]);
         assert!(r.block::<u32>("u").is_err());
         r.block_mut::<f64>("u").unwrap()[0] = 7.0;
@@ -324,14 +321,14 @@ mod tests {
     #[test]
     fn adopt_refuses_a_different_registry() {
         let mut root = Registry::default();
-        root.distribute::<f64>("u", 4, (0, 1), &[0.0; 4]).unwrap();
+        root.distribute::<f64>("u", 4, (0, 1), &[0.0; 4], None).unwrap();
         root.replicate("it", &3u32).unwrap();
         let mut other = Registry::default();
-        other.distribute::<f32>("u", 4, (0, 1), &[0.0; 4]).unwrap();
+        other.distribute::<f32>("u", 4, (0, 1), &[0.0; 4], None).unwrap();
         other.replicate("it", &0u32).unwrap();
         assert!(matches!(other.adopt(root.manifest(), false), Err(Error::Reconfigure(_))));
         let mut same = Registry::default();
-        same.distribute::<f64>("u", 4, (0, 1), &[1.0; 4]).unwrap();
+        same.distribute::<f64>("u", 4, (0, 1), &[1.0; 4], None).unwrap();
         same.replicate("it", &0u32).unwrap();
         same.adopt(root.manifest(), false).unwrap();
         assert_eq!(same.replicated::<u32>("it").unwrap(), 3);

@@ -8,6 +8,7 @@ use crate::env::EnvSettings;
 use crate::error::{Error, Result};
 use crate::group::{AsyncGroup, Group};
 use crate::pset::ProcessSet;
+use crate::redistribute::Method;
 use crate::reduce::ReduceOp;
 use crate::registry::{Manifest, Parts, Registry};
 use bytemuck::Pod;
@@ -50,6 +51,8 @@ pub struct Session {
     rt: Option<Runtime>,
     membership: Membership,
     registry: Registry,
+    /// How registered data moves unless an item says otherwise.
+    method: Method,
     /// Checkpoints called so far.
     count: u64,
     /// A change needing new processes is under way (background checkpoints).
@@ -212,6 +215,7 @@ fn standalone(rt: Runtime, env: &EnvSettings) -> Result<Session> {
         transport: TransportSpec::named("tcp"),
         timeout_ms: u64::try_from(env.timeout.as_millis()).unwrap_or(u64::MAX),
         joining: false,
+        redistribution: Method::default(),
     };
     let endpoint = bind(&rt, &h)?;
     let m = Membership {
@@ -359,6 +363,7 @@ impl Session {
             rt: Some(rt),
             membership,
             registry: Registry::default(),
+            method: h.redistribution,
             count: 0,
             pending: false,
             want: None,
@@ -537,7 +542,7 @@ impl Session {
             members.iter().map(|r| c.after.ranks.iter().position(|x| x == r).map(|p| p as u32)).collect();
         let parts = Parts { old_n: c.before.len() as u32, new_n: c.after.ranks.len() as u32 };
         let registry = &mut self.registry;
-        transition.block(registry.redistribute(transition.core_async(), parts, &new_pos))?;
+        transition.block(registry.redistribute(transition.core_async(), parts, &new_pos, self.method))?;
         let redistribute = t1.elapsed();
         let times = transition.allreduce(&[micros(connect), micros(redistribute)], ReduceOp::Max)?;
         let old_size = c.before.len();
@@ -643,7 +648,29 @@ impl Session {
     /// alignment is above 8.
     pub fn distribute<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T]) -> Result<()> {
         let part = (self.world.rank() as u32, self.world.size() as u32);
-        self.registry.distribute(name, global_len, part, block)
+        self.registry.distribute(name, global_len, part, block, None)
+    }
+
+    /// Registers distributed data that always moves by `method`, whatever the job's
+    /// `--redistribution`; otherwise as [`Session::distribute`].
+    ///
+    /// # Local
+    /// Every rank registers the same items, with the same methods, in the same order.
+    ///
+    /// # Errors
+    /// As [`Session::distribute`].
+    pub fn distribute_by<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T], method: Method) -> Result<()> {
+        let part = (self.world.rank() as u32, self.world.size() as u32);
+        self.registry.distribute(name, global_len, part, block, Some(method))
+    }
+
+    /// How registered data moves at a change unless an item says otherwise (the job's
+    /// `--redistribution`).
+    ///
+    /// # Local
+    #[must_use]
+    pub fn redistribution(&self) -> Method {
+        self.method
     }
 
     /// This rank's block of a distributed item.

@@ -66,6 +66,8 @@ pub struct JobSpec {
     pub transport: ductile::bootstrap::TransportSpec,
     /// Where to write the JSON report.
     pub report: Option<PathBuf>,
+    /// How registered data moves at a change.
+    pub redistribution: ductile::Method,
 }
 
 /// One node world, from the controller's side.
@@ -262,6 +264,7 @@ impl Ctl {
             program: self.spec.program.to_string_lossy().into_owned(),
             args: self.spec.args.clone(),
             transport: self.spec.transport.clone(),
+            redistribution: self.spec.redistribution,
             timeout_ms: u64::try_from(self.wait_timeout.as_millis()).unwrap_or(u64::MAX),
             join_timeout_ms: u64::try_from(self.fence_limit.as_millis()).unwrap_or(u64::MAX) / 5 * 4,
             tag_output: self.spec.tag_output,

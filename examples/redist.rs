@@ -1,0 +1,128 @@
+//! Checks registered data bit for bit through a run of resizes.
+//!
+//! Registers distributed items of several element types and sizes (0 elements, fewer
+//! elements than processes, sizes no process count divides, and an item larger than
+//! one redistribution segment) whose every element is a known function of its global
+//! index. At each checkpoint the launcher's policy may resize the job; after every
+//! change each process compares its new blocks with the function, element by element,
+//! and the job fails naming the first wrong element. The run ends after `--changes`
+//! changes.
+//!
+//! ```text
+//! ductile run --nodes 1 --policy steps:2,1,3 --redistribution rma -- target/release/examples/redist --changes 3
+//! ```
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use ductile::{Checkpoint, Method, Session};
+
+#[derive(Debug, Parser)]
+struct Args {
+    /// Stop after this many changes.
+    #[arg(long, default_value_t = 1)]
+    changes: u64,
+    /// Elements of the largest item (u64).
+    #[arg(long, default_value_t = (3 << 20) + 7)]
+    large: u64,
+    /// Give every item its own method instead of the job's: one of each.
+    #[arg(long)]
+    per_item: bool,
+}
+
+/// The value of element `g` of item `seed`, as 64 bits.
+fn value(seed: u64, g: u64) -> u64 {
+    (g.wrapping_add(1)).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed.wrapping_mul(0xD6E8_FEB8_6659_FD93)
+}
+
+fn item_names(args: &Args) -> [(&'static str, u64); 5] {
+    [("empty", 0), ("tiny", 5), ("odd", 1_000_003), ("bytes", 12_345), ("large", args.large)]
+}
+
+fn register(s: &mut Session, args: &Args) -> anyhow::Result<()> {
+    let (rank, size) = (s.world().rank() as u32, s.world().size() as u32);
+    for (k, (name, global)) in item_names(args).into_iter().enumerate() {
+        let range = ductile::block_range(global, size, rank);
+        let seed = k as u64;
+        let method = Method::ALL[k % Method::ALL.len()];
+        match name {
+            "bytes" => {
+                let block: Vec<u8> = range.map(|g| value(seed, g) as u8).collect();
+                if args.per_item {
+                    s.distribute_by(name, global, &block, method)?;
+                } else {
+                    s.distribute(name, global, &block)?;
+                }
+            }
+            "odd" => {
+                let block: Vec<f64> = range.map(|g| f64::from_bits(value(seed, g))).collect();
+                if args.per_item {
+                    s.distribute_by(name, global, &block, method)?;
+                } else {
+                    s.distribute(name, global, &block)?;
+                }
+            }
+            _ => {
+                let block: Vec<u64> = range.map(|g| value(seed, g)).collect();
+                if args.per_item {
+                    s.distribute_by(name, global, &block, method)?;
+                } else {
+                    s.distribute(name, global, &block)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Compares every element this process holds with its expected value.
+fn verify(s: &Session, args: &Args) -> anyhow::Result<()> {
+    for (k, (name, _)) in item_names(args).into_iter().enumerate() {
+        let seed = k as u64;
+        let range = s.block_range(name)?;
+        let bits: Vec<u64> = match name {
+            "bytes" => s.block::<u8>(name)?.iter().map(|&b| u64::from(b)).collect(),
+            "odd" => s.block::<f64>(name)?.iter().map(|v| v.to_bits()).collect(),
+            _ => s.block::<u64>(name)?.to_vec(),
+        };
+        if bits.len() as u64 != range.end - range.start {
+            bail!("{name}: holds {} elements for range {range:?}", bits.len());
+        }
+        let mask = if name == "bytes" { 0xff } else { u64::MAX };
+        if let Some(i) = (0..bits.len()).find(|&i| bits[i] != value(seed, range.start + i as u64) & mask) {
+            bail!(
+                "{name}: element {} is {:#x}, expected {:#x}",
+                range.start + i as u64,
+                bits[i],
+                value(seed, range.start + i as u64) & mask
+            );
+        }
+    }
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let mut s = ductile::init()?;
+    if s.joined().is_some() {
+        verify(&s, &args).context("a joining process checks its blocks")?;
+    } else {
+        register(&mut s, &args)?;
+    }
+    while s.epoch() < args.changes {
+        match s.checkpoint()? {
+            Checkpoint::Released(_) => return Ok(s.finalize()?),
+            Checkpoint::Resized(r) => {
+                verify(&s, &args)
+                    .with_context(|| format!("after change {} ({} -> {})", r.seq, r.old_size, r.new_size))?;
+                if s.world().rank() == 0 {
+                    println!("redist: change {}: {} -> {} processes, data intact", s.epoch(), r.old_size, r.new_size);
+                }
+            }
+            _ => std::thread::sleep(std::time::Duration::from_millis(1)),
+        }
+    }
+    if s.world().rank() == 0 {
+        println!("redist: {} changes by {}, every element intact", s.epoch(), s.redistribution());
+    }
+    Ok(s.finalize()?)
+}

@@ -1,0 +1,299 @@
+//! The redistribution executors: how one distributed item travels from its old blocks
+//! to its new ones over the transition group (old ranks ∪ new ranks).
+//!
+//! Every executor carries out the same plan (`ductile_redistrib::{source_plan,
+//! drain_plan}`: which elements each old block gives each new block) and produces the
+//! same bytes; they differ in how the bytes travel:
+//!
+//! - [`Method::P2p`]: each source sends each of its non-empty overlaps to its target, in
+//!   segments of at most [`SEGMENT`] bytes, and each target receives from its sources
+//!   only. A process talks only to the processes its blocks overlap with.
+//! - [`Method::Collective`]: an alltoallv over the whole transition group, one round per
+//!   segment, every member sending a (possibly empty) block to every member.
+//! - [`Method::Rma`]: each source exposes its old block as a window (a local
+//!   registration) and tells each of its targets the window's id; each target reads
+//!   its overlaps with gets of at most [`SEGMENT`] bytes, at most [`GETS_IN_FLIGHT`] at
+//!   a time, then tells the source it is done ("wait drains"); a source withdraws its
+//!   window once all its targets are done.
+//!
+//! The new block is allocated once at its final size and filled in place; the old block
+//! is shared with the transport as `Bytes` without a copy.
+
+use crate::error::{Error, Result};
+use crate::group::AsyncGroup;
+use bytes::Bytes;
+use ductile_redistrib::{block_range, drain_plan, source_plan, DrainPlan};
+use ductile_transport::{Tag, TagMatch, WindowId};
+use futures_util::future::{try_join, try_join_all};
+use futures_util::stream::{self, StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+/// Largest piece of an overlap moved by one message or one get.
+pub const SEGMENT: usize = 16 << 20;
+/// Gets a target keeps in flight in the one-sided executor.
+pub const GETS_IN_FLIGHT: usize = 4;
+
+/// How registered data travels at a reconfiguration.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Method {
+    /// An alltoallv over the union of old and new ranks.
+    Collective,
+    /// Each source sends its overlaps to its targets.
+    #[default]
+    P2p,
+    /// Targets read their overlaps from windows the sources expose.
+    Rma,
+}
+
+impl Method {
+    /// Every method, in the order `--redistribution` lists them.
+    pub const ALL: [Method; 3] = [Method::Collective, Method::P2p, Method::Rma];
+}
+
+impl fmt::Display for Method {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Collective => "collective",
+            Self::P2p => "p2p",
+            Self::Rma => "rma",
+        })
+    }
+}
+
+impl FromStr for Method {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "collective" => Ok(Self::Collective),
+            "p2p" => Ok(Self::P2p),
+            "rma" => Ok(Self::Rma),
+            _ => Err(format!("unknown redistribution method {s:?} (known: collective, p2p, rma)")),
+        }
+    }
+}
+
+/// One item's move, as every member of the transition group sees it.
+pub(crate) struct Move<'a> {
+    /// The transition group: members `0..old_n` are the old ranks in order.
+    pub t: &'a AsyncGroup,
+    /// Elements of the global array.
+    pub global: u64,
+    /// Bytes per element.
+    pub elem: u64,
+    /// Parts before and after.
+    pub old_n: u32,
+    /// Parts after.
+    pub new_n: u32,
+    /// Transition member holding each new rank.
+    pub member_of_new: &'a [usize],
+    /// This member's new rank, if it stays.
+    pub my_new: Option<u32>,
+    /// Runtime tag of this item's data (and window announcements).
+    pub tag: Tag,
+    /// Runtime tag of this item's "done reading" notices.
+    pub done_tag: Tag,
+}
+
+impl Move<'_> {
+    fn my_old(&self) -> Option<u32> {
+        u32::try_from(self.t.rank()).ok().filter(|&r| r < self.old_n)
+    }
+
+    fn bytes(&self, n: u64) -> usize {
+        usize::try_from(n * self.elem).unwrap_or(usize::MAX)
+    }
+
+    /// What this member sends: (target member, byte range of the old block).
+    fn sends(&self) -> Vec<(usize, Range<usize>)> {
+        let Some(o) = self.my_old() else { return Vec::new() };
+        let plan = source_plan(self.global, self.old_n, self.new_n, o);
+        plan.targets
+            .clone()
+            .filter(|&d| plan.counts[d as usize] > 0)
+            .map(|d| {
+                let (at, n) = (plan.displs[d as usize], plan.counts[d as usize]);
+                (self.member_of_new[d as usize], self.bytes(at)..self.bytes(at + n))
+            })
+            .collect()
+    }
+
+    fn drain(&self) -> Option<DrainPlan> {
+        self.my_new.map(|n| drain_plan(self.global, self.old_n, self.new_n, n))
+    }
+
+    /// The sources (old rank = transition member) this member's new block draws from,
+    /// with the byte range of the new block each fills.
+    fn receives(&self, plan: &DrainPlan) -> Vec<(usize, Range<usize>)> {
+        plan.sources
+            .clone()
+            .filter(|&s| plan.counts[s as usize] > 0)
+            .map(|s| {
+                let (at, n) = (plan.displs[s as usize], plan.counts[s as usize]);
+                (s as usize, self.bytes(at)..self.bytes(at + n))
+            })
+            .collect()
+    }
+
+    /// Runs the move with `method`, filling `new` (the new block, `None` for a member
+    /// that leaves) from `old` (the old block, empty for a member that joined).
+    pub(crate) async fn run(&self, method: Method, old: Bytes, new: Option<&mut [u8]>) -> Result<()> {
+        match method {
+            Method::P2p => self.p2p(old, new).await,
+            Method::Collective => self.collective(old, new).await,
+            Method::Rma => self.rma(old, new).await,
+        }
+    }
+
+    async fn p2p(&self, old: Bytes, new: Option<&mut [u8]>) -> Result<()> {
+        let me = self.t.rank();
+        let mut own = Vec::new();
+        let mut sends = Vec::new();
+        for (k, range) in self.sends() {
+            if k == me {
+                own.push(range);
+                continue;
+            }
+            for seg in segments(range) {
+                sends.push(self.t.send_tagged(k, self.tag, old.slice(seg)));
+            }
+        }
+        let (Some(plan), Some(block)) = (self.drain(), new) else {
+            try_join_all(sends).await?;
+            return Ok(());
+        };
+        let receives = self.receives(&plan);
+        let fill = async {
+            for (src, range) in &receives {
+                if *src == me {
+                    let from = own.pop().ok_or_else(|| plan_error("own overlap"))?;
+                    block[range.clone()].copy_from_slice(&old[from]);
+                    continue;
+                }
+                for seg in segments(range.clone()) {
+                    let (b, _) = self.t.recv_tagged(Some(*src), TagMatch::Tag(self.tag)).await?;
+                    place(block, seg, &b, *src)?;
+                }
+            }
+            Ok::<(), Error>(())
+        };
+        try_join(try_join_all(sends), fill).await?;
+        Ok(())
+    }
+
+    async fn collective(&self, old: Bytes, mut new: Option<&mut [u8]>) -> Result<()> {
+        let size = self.t.size();
+        let mut out: Vec<Vec<Range<usize>>> = vec![Vec::new(); size];
+        for (k, range) in self.sends() {
+            out[k] = segments(range).collect();
+        }
+        let mut inc: Vec<Vec<Range<usize>>> = vec![Vec::new(); size];
+        if let Some(plan) = self.drain() {
+            for (src, range) in self.receives(&plan) {
+                inc[src] = segments(range).collect();
+            }
+        }
+        // Every member runs the same number of rounds, known without asking: enough for
+        // the largest overlap there can be, which is no larger than the largest block.
+        let largest = |n: u32| self.global.div_ceil(u64::from(n.max(1)));
+        let rounds = segments(0..self.bytes(largest(self.old_n).min(largest(self.new_n)))).count();
+        for round in 0..rounds {
+            let blocks = out.iter().map(|segs| segs.get(round).map_or_else(Bytes::new, |r| old.slice(r.clone())));
+            let got = self.t.alltoallv_bytes(blocks.collect()).await?;
+            if let Some(block) = new.as_deref_mut() {
+                for (src, segs) in inc.iter().enumerate() {
+                    if let Some(seg) = segs.get(round) {
+                        place(block, seg.clone(), &got[src], src)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn rma(&self, old: Bytes, new: Option<&mut [u8]>) -> Result<()> {
+        let (t, me) = (self.t, self.t.rank());
+        let remote: Vec<(usize, Range<usize>)> = self.sends().into_iter().filter(|(k, _)| *k != me).collect();
+        let window = if remote.is_empty() { None } else { Some(t.expose(old.clone())?) };
+        // Sources: announce the window to each target, then wait until each has read.
+        let serve = async {
+            let announce = remote.iter().map(|(k, _)| t.send_tagged(*k, self.tag, window_bytes(window)));
+            try_join_all(announce).await?;
+            let drained = remote.iter().map(|(k, _)| t.recv_tagged(Some(*k), TagMatch::Tag(self.done_tag)));
+            try_join_all(drained).await?;
+            Ok::<(), Error>(())
+        };
+        let read = async {
+            let (Some(plan), Some(block)) = (self.drain(), new) else { return Ok::<(), Error>(()) };
+            let first = block_range(self.global, self.new_n, self.my_new.unwrap_or(0)).start;
+            let mut gets = Vec::new();
+            let mut sources = Vec::new();
+            for (src, range) in self.receives(&plan) {
+                // Where this overlap starts inside the source's block, in bytes.
+                let src_first = block_range(self.global, self.old_n, src as u32).start;
+                let at = self.bytes(first + plan.displs[src] - src_first);
+                if src == me {
+                    block[range.clone()].copy_from_slice(&old[at..at + range.len()]);
+                    continue;
+                }
+                let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
+                let id = window_id(&b, src)?;
+                sources.push(src);
+                for seg in segments(range.clone()) {
+                    let offset = (at + seg.start - range.start) as u64;
+                    gets.push(async move {
+                        Ok::<_, Error>((seg.clone(), src, t.get(src, id, offset, seg.len() as u64).await?))
+                    });
+                }
+            }
+            let mut done = stream::iter(gets).buffer_unordered(GETS_IN_FLIGHT);
+            while let Some((seg, src, bytes)) = done.try_next().await? {
+                place(block, seg, &bytes, src)?;
+            }
+            let drained = sources.iter().map(|&k| t.send_tagged(k, self.done_tag, Bytes::new()));
+            try_join_all(drained).await?;
+            Ok(())
+        };
+        try_join(serve, read).await?;
+        if let Some(w) = window {
+            t.withdraw(w)?;
+        }
+        Ok(())
+    }
+}
+
+/// Splits a byte range into pieces of at most [`SEGMENT`] bytes (one empty piece for
+/// an empty range, so it still travels).
+fn segments(r: Range<usize>) -> impl Iterator<Item = Range<usize>> {
+    let n = (r.end - r.start).div_ceil(SEGMENT).max(1);
+    (0..n).map(move |i| (r.start + i * SEGMENT)..(r.start + (i + 1) * SEGMENT).min(r.end))
+}
+
+fn place(block: &mut [u8], seg: Range<usize>, b: &[u8], src: usize) -> Result<()> {
+    if b.len() != seg.len() {
+        return Err(Error::LengthMismatch { what: "redistribution", expected: seg.len(), got: b.len(), src });
+    }
+    block[seg].copy_from_slice(b);
+    Ok(())
+}
+
+fn plan_error(what: &str) -> Error {
+    Error::Reconfigure(format!("redistribution plan inconsistent: {what}"))
+}
+
+fn window_bytes(w: Option<WindowId>) -> Bytes {
+    Bytes::copy_from_slice(&w.map_or(u32::MAX, |w| w.0).to_le_bytes())
+}
+
+fn window_id(b: &[u8], src: usize) -> Result<WindowId> {
+    let raw: [u8; 4] = b.try_into().map_err(|_| Error::LengthMismatch {
+        what: "window announcement",
+        expected: 4,
+        got: b.len(),
+        src,
+    })?;
+    Ok(WindowId(u32::from_le_bytes(raw)))
+}

@@ -1,0 +1,69 @@
+//! Registered data through resizes, bit for bit, with every redistribution executor:
+//! real processes started by `ductile run`, the `redist` example checking every element
+//! of every item after every change.
+
+mod common;
+
+use common::{assert_no_survivors, ex, read_report, run, tmp};
+
+/// Node counts (one process each) visiting every ordered pair (NS, NT) of distinct
+/// sizes in {1, 2, 3, 4, 8} exactly once: an Eulerian circuit of the complete directed
+/// graph on them, starting from the initial single node.
+const CIRCUIT: [u32; 20] = [2, 1, 3, 1, 4, 1, 8, 2, 3, 2, 4, 2, 8, 3, 4, 3, 8, 4, 8, 1];
+
+fn redist_job(method: &str, extra: &[&str], name: &str) -> serde_json::Value {
+    let report = tmp(name);
+    let steps = format!("steps:{}", CIRCUIT.map(|n| n.to_string()).join(","));
+    let changes = CIRCUIT.len().to_string();
+    let prog = ex("redist");
+    let mut args = vec!["run", "--timeout", "240", "--report", report.to_str().unwrap(), "--nodes", "1"];
+    args.extend(["--slots", "1", "--max-nodes", "8", "--policy", &steps, "--redistribution", method, "--"]);
+    args.extend([prog.as_str(), "--changes", &changes]);
+    args.extend(extra);
+    let out = run(&args);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{method}: {}\n{text}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains(&format!("redist: 20 changes by {method}, every element intact")), "{text}");
+    assert_no_survivors(&report);
+    let v = read_report(&report);
+    let _ = std::fs::remove_file(report);
+    v
+}
+
+/// The (processes before, processes after) of every change in a report.
+fn pairs(report: &serde_json::Value) -> Vec<(u64, u64)> {
+    report["reconfigurations"]
+        .as_array()
+        .expect("reconfigurations in the report")
+        .iter()
+        .map(|r| (r["procs_before"].as_u64().unwrap(), r["procs_after"].as_u64().unwrap()))
+        .collect()
+}
+
+fn check_every_pair(method: &str, extra: &[&str]) {
+    let report = redist_job(method, extra, &format!("redist-{method}.json"));
+    let mut want = vec![(1u64, u64::from(CIRCUIT[0]))];
+    want.extend(CIRCUIT.windows(2).map(|w| (u64::from(w[0]), u64::from(w[1]))));
+    assert_eq!(pairs(&report), want);
+}
+
+#[test]
+fn collective_moves_every_element_for_every_size_pair() {
+    check_every_pair("collective", &[]);
+}
+
+#[test]
+fn p2p_moves_every_element_for_every_size_pair() {
+    check_every_pair("p2p", &[]);
+}
+
+#[test]
+fn rma_moves_every_element_for_every_size_pair() {
+    check_every_pair("rma", &[]);
+}
+
+#[test]
+fn items_moved_by_their_own_methods_in_one_job() {
+    // Items registered with collective, p2p and rma side by side, whatever the job's.
+    check_every_pair("rma", &["--per-item"]);
+}
