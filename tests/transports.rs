@@ -1,0 +1,71 @@
+//! Every example over every transport this build has: `ductile run --transport tcp|quic|
+//! fabric` (fabric with the `tcp;ofi_rxm` and `shm` providers), including resizes of
+//! the malleable jacobi and registered data moved by one-sided reads.
+
+mod common;
+
+use common::{assert_no_survivors, ex, run, tmp};
+
+/// The `ductile run` options selecting each transport built in.
+fn transports() -> Vec<Vec<&'static str>> {
+    let built = ductile_transport::transport::backends();
+    let all: [&[&str]; 4] = [
+        &["--transport", "tcp"],
+        &["--transport", "quic"],
+        &["--transport", "fabric", "--fabric-provider", "tcp;ofi_rxm"],
+        &["--transport", "fabric", "--fabric-provider", "shm"],
+    ];
+    let chosen: Vec<Vec<&str>> = all.iter().filter(|a| built.contains(&a[1])).map(|a| a.to_vec()).collect();
+    eprintln!("transports under test: {chosen:?} (built: {built:?})");
+    chosen
+}
+
+fn job(transport: &[&str], opts: &[&str], prog: &str, args: &[&str], name: &str) -> String {
+    let report = tmp(name);
+    let mut all = vec!["run", "--timeout", "120", "--report", report.to_str().unwrap()];
+    all.extend(transport);
+    all.extend(opts);
+    all.push("--");
+    let prog = ex(prog);
+    all.push(&prog);
+    all.extend(args);
+    let out = run(&all);
+    assert!(out.status.success(), "{all:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert_no_survivors(&report);
+    let _ = std::fs::remove_file(report);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn hello_ring_and_allreduce_over_every_transport() {
+    for t in transports() {
+        let out = job(&t, &["-n", "4", "--nodes", "2", "--tag-output"], "hello", &[], "t-hello.json");
+        for r in 0..4 {
+            let want = format!("[{r}] hello from rank {r} of 4 on node {} of 2", r / 2);
+            assert!(out.contains(&want), "{t:?}: missing {want:?} in {out}");
+        }
+        let out = job(&t, &["-n", "4", "--nodes", "2"], "ring", &["5"], "t-ring.json");
+        assert!(out.contains("token went around 5 times and reads 20"), "{t:?}: {out}");
+        let out = job(&t, &["-n", "4", "--nodes", "4"], "allreduce", &["100000"], "t-allreduce.json");
+        assert!(out.contains("allreduce over 4 ranks of 100000 elements: correct"), "{t:?}: {out}");
+    }
+}
+
+fn checksum(out: &str) -> String {
+    let line = out.lines().find(|l| l.contains("checksum")).unwrap_or_else(|| panic!("no checksum in {out}"));
+    line.split("checksum ").nth(1).and_then(|s| s.split_whitespace().next()).unwrap_or_default().to_string()
+}
+
+#[test]
+fn jacobi_resizes_and_rma_redistribution_over_every_transport() {
+    let jacobi = ["--points", "50000", "--iters", "60", "--every", "10"];
+    let rigid = checksum(&job(&["--transport", "tcp"], &["-n", "2"], "jacobi", &jacobi, "t-rigid.json"));
+    let resizes = ["--nodes", "1", "--slots", "2", "--max-nodes", "4", "--policy", "steps:2,4,1"];
+    for t in transports() {
+        let out = job(&t, &resizes, "jacobi", &jacobi, "t-jacobi.json");
+        assert_eq!(checksum(&out), rigid, "{t:?}: {out}");
+        let opts = ["--nodes", "1", "--max-nodes", "8", "--policy", "steps:3,8,2,1", "--redistribution", "rma"];
+        let out = job(&t, &opts, "redist", &["--changes", "4", "--large", "300000"], "t-redist.json");
+        assert!(out.contains("redist: 4 changes by rma, every element intact"), "{t:?}: {out}");
+    }
+}
