@@ -165,18 +165,28 @@ impl Move<'_> {
             try_join_all(sends).await?;
             return Ok(());
         };
-        let receives = self.receives(&plan);
+        // Segments are placed in the order they arrive, from whichever source, so at
+        // most what the network delivers faster than a copy is held aside.
+        let mut pending: Vec<(usize, std::vec::IntoIter<Range<usize>>)> = Vec::new();
+        for (src, range) in self.receives(&plan) {
+            if src == me {
+                let from = own.pop().ok_or_else(|| plan_error("own overlap"))?;
+                block[range].copy_from_slice(&old[from]);
+            } else {
+                pending.push((src, segments(range).collect::<Vec<_>>().into_iter()));
+            }
+        }
+        let mut left: usize = pending.iter().map(|(_, segs)| segs.len()).sum();
         let fill = async {
-            for (src, range) in &receives {
-                if *src == me {
-                    let from = own.pop().ok_or_else(|| plan_error("own overlap"))?;
-                    block[range.clone()].copy_from_slice(&old[from]);
-                    continue;
-                }
-                for seg in segments(range.clone()) {
-                    let (b, _) = self.t.recv_tagged(Some(*src), TagMatch::Tag(self.tag)).await?;
-                    place(block, seg, &b, *src)?;
-                }
+            while left > 0 {
+                let (b, st) = self.t.recv_tagged(None, TagMatch::Tag(self.tag)).await?;
+                let seg = pending
+                    .iter_mut()
+                    .find(|(src, _)| *src == st.source)
+                    .and_then(|(_, segs)| segs.next())
+                    .ok_or_else(|| plan_error(&format!("unexpected data from member {}", st.source)))?;
+                place(block, seg, &b, st.source)?;
+                left -= 1;
             }
             Ok::<(), Error>(())
         };
