@@ -27,6 +27,9 @@ struct Args {
     /// Give every item its own method instead of the job's: one of each.
     #[arg(long)]
     per_item: bool,
+    /// Fault injection: this rank registers one more element of "odd" than the others.
+    #[arg(long, value_name = "RANK")]
+    mismatch: Option<usize>,
 }
 
 /// The value of element `g` of item `seed`, as 64 bits.
@@ -40,7 +43,10 @@ fn item_names(args: &Args) -> [(&'static str, u64); 5] {
 
 fn register(s: &mut Session, args: &Args) -> anyhow::Result<()> {
     let (rank, size) = (s.world().rank() as u32, s.world().size() as u32);
-    for (k, (name, global)) in item_names(args).into_iter().enumerate() {
+    for (k, (name, mut global)) in item_names(args).into_iter().enumerate() {
+        if name == "odd" && args.mismatch == Some(rank as usize) {
+            global += 1;
+        }
         let range = ductile::block_range(global, size, rank);
         let seed = k as u64;
         let method = Method::ALL[k % Method::ALL.len()];

@@ -67,3 +67,23 @@ fn items_moved_by_their_own_methods_in_one_job() {
     // Items registered with collective, p2p and rma side by side, whatever the job's.
     check_every_pair("rma", &["--per-item"]);
 }
+
+#[test]
+fn mismatched_registrations_fail_every_rank_with_the_reason() {
+    let report = tmp("redist-mismatch.json");
+    let prog = ex("redist");
+    let args = ["run", "--timeout", "60", "--report", report.to_str().unwrap(), "-n", "3", "--max-nodes", "8"];
+    let mut all = args.to_vec();
+    all.extend(["--policy", "steps:2", "--", prog.as_str(), "--mismatch", "2"]);
+    let started = std::time::Instant::now();
+    let out = run(&all);
+    assert!(!out.status.success());
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+    let err = String::from_utf8_lossy(&out.stderr);
+    // The rank that differs says how; the others name it instead of timing out.
+    assert!(err.contains("registered items differ from rank 0's: here ["), "{err}");
+    assert!(err.contains("odd: 1000004 x f64"), "{err}");
+    assert!(err.contains("the registered items of rank 2 differ from rank 0's"), "{err}");
+    assert_no_survivors(&report);
+    let _ = std::fs::remove_file(report);
+}

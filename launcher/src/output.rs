@@ -32,6 +32,10 @@ pub async fn forward(from: impl AsyncRead + Unpin, prefix: Option<String>, to: S
             out.extend_from_slice(p.as_bytes());
         }
         out.extend_from_slice(&line);
+        if !line.ends_with(b"\n") {
+            // The last line of a process that ended mid-line stays a line of its own.
+            out.push(b'\n');
+        }
         // A closed stdout (e.g. `| head`) must not stop the job; drop the output.
         let _ = match to {
             Stream::Stdout => std::io::stdout().lock().write_all(&out),

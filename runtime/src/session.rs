@@ -532,7 +532,18 @@ impl Session {
         let transition = Group::new(tg, self.handle()?, self.spin);
         let mut manifest = if tpos == 0 { self.registry.manifest() } else { Manifest::default() };
         transition.broadcast_value(0, &mut manifest)?;
-        self.registry.adopt(manifest, joined)?;
+        let adopted = self.registry.adopt(manifest, joined);
+        // Every member learns whether any registry differs from rank 0's, so each fails
+        // naming the cause instead of waiting on a process that already gave up.
+        let flag = if adopted.is_err() { tpos as u64 + 1 } else { 0 };
+        let differs = transition.allreduce(&[flag], ReduceOp::Max)?[0];
+        adopted?;
+        if differs > 0 {
+            return Err(Error::Reconfigure(format!(
+                "the registered items of {} differ from rank 0's; the change to epoch {epoch} is abandoned",
+                members[differs as usize - 1]
+            )));
+        }
         if joined {
             self.count = c.checkpoint;
         }
