@@ -192,6 +192,20 @@ impl WindowTable {
         Ok(region.slice(start..start + len))
     }
 
+    /// As [`WindowTable::read`], refusing a reply larger than `cap` bytes (the
+    /// transport's message cap).
+    ///
+    /// # Errors
+    /// As [`WindowTable::read`], or the range is larger than `cap`.
+    pub fn read_capped(&self, req: GetRequest, cap: u64) -> Result<Bytes, WindowError> {
+        let b = self.read(req)?;
+        let len = b.len() as u64;
+        if len > cap {
+            return Err(WindowError::TooLarge { len, cap });
+        }
+        Ok(b)
+    }
+
     /// Number of exposed windows.
     #[must_use]
     pub fn len(&self) -> usize {

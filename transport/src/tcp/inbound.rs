@@ -292,13 +292,7 @@ impl Reader {
             FrameKind::Data => self.mailbox.deliver(Envelope { src: peer, ctx: h.ctx, tag: h.tag, payload }),
             FrameKind::GetRequest => {
                 let req = GetRequest::decode(&payload).ok_or_else(|| malformed("get request"))?;
-                let reply = os.windows.read(req).and_then(|b| {
-                    if b.len() as u64 > self.max_payload {
-                        Err(WindowError::TooLarge { len: b.len() as u64, cap: self.max_payload })
-                    } else {
-                        Ok(b)
-                    }
-                });
+                let reply = os.windows.read_capped(req, self.max_payload);
                 if let Err(e) = &reply {
                     tracing::warn!("{}: refused a get by {peer}: {e}", self.me);
                 }

@@ -1,0 +1,177 @@
+//! The listening side of the QUIC backend: accepting connections, authenticating the
+//! dialer, reading its messages, and serving its gets.
+
+use super::wire::{self, close};
+use super::Inner;
+use crate::auth;
+use crate::error::{FrameError, TransportError};
+use crate::frame::{FrameHeader, FrameKind, FrameLimits};
+use crate::ids::Rank;
+use crate::matching::{Envelope, PeerEnd};
+use crate::window::{self, GetRequest, REQUEST_LEN};
+use bytes::Bytes;
+use quinn::{Connection, Incoming, RecvStream, SendStream};
+use std::sync::Arc;
+use tokio::time::timeout;
+
+/// Accepts connections until the endpoint closes, each served by its own task.
+pub(super) async fn accept_loop(inner: Arc<Inner>) {
+    while let Some(incoming) = inner.endpoint.accept().await {
+        let task = tokio::spawn(serve_connection(inner.clone(), incoming));
+        inner.track(task.abort_handle());
+    }
+}
+
+/// Serves one inbound connection: authenticates the dialer, then delivers the frames of
+/// its message stream until its goodbye or the connection's end.
+async fn serve_connection(inner: Arc<Inner>, incoming: Incoming) {
+    let me = inner.me.rank;
+    let from = incoming.remote_address();
+    let (conn, peer, recv) = match authenticate(&inner, incoming).await {
+        Ok(accepted) => accepted,
+        Err(why) => {
+            if !inner.is_closed() {
+                tracing::error!("{me}: rejected a QUIC connection from {from}: {why}");
+            }
+            return;
+        }
+    };
+    tracing::debug!("{me}: {peer} connected from {from}");
+    inner.mailbox.peer_connected(peer);
+    let gets = tokio::spawn(serve_gets(inner.clone(), conn.clone(), peer));
+    inner.track(gets.abort_handle());
+    let how = match read_messages(&inner, peer, recv).await {
+        Ok(()) | Err(TransportError::PeerClosed(_)) => PeerEnd::Closed,
+        Err(_) if inner.is_closed() => return,
+        Err(e) => {
+            if matches!(e, TransportError::Frame { .. }) {
+                conn.close(close::BAD_FRAME.into(), b"bad frame");
+            }
+            tracing::error!("{me}: connection from {peer} dropped: {e}");
+            PeerEnd::Lost
+        }
+    };
+    inner.mailbox.peer_ended(peer, how);
+}
+
+/// Completes the TLS handshake and the job-key handshake on the dialer's first stream;
+/// returns the connection, the dialer's rank, and the stream its frames come on.
+async fn authenticate(inner: &Inner, incoming: Incoming) -> Result<(Connection, Rank, RecvStream), String> {
+    let connect = inner.cfg.get_connect_timeout();
+    let conn = match timeout(connect, incoming).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return Err(format!("TLS handshake failed: {e}")),
+        Err(_) => return Err(format!("no TLS handshake within {connect:?}")),
+    };
+    let t = inner.cfg.get_handshake_timeout();
+    let (send, recv) = match timeout(t, conn.accept_bi()).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return Err(format!("no stream opened: {e}")),
+        Err(_) => {
+            conn.close(close::AUTH.into(), b"no handshake");
+            return Err(format!("no stream opened within {t:?}"));
+        }
+    };
+    let me = inner.me.rank;
+    // Any endpoint of the job may connect, including ones that joined in a resize and
+    // are not in our table yet: holding the job key is what makes a peer a member.
+    let member = |r: Rank| r.0 <= Rank::MAX_ID && r != me;
+    let mut stream = tokio::io::join(recv, send);
+    match auth::accept(&mut stream, &inner.me, member, t).await {
+        Ok(peer) => {
+            let (recv, mut send) = stream.into_inner();
+            // The dialer's frames come on `recv`; nothing more goes back this way.
+            let _ = send.finish();
+            Ok((conn, peer, recv))
+        }
+        Err(e) => {
+            // A dialer that gives up (a wrong key) closes the connection: say how.
+            let why = match (&e, conn.close_reason()) {
+                (auth::HandshakeError::Io(_), Some(reason)) => reason.to_string(),
+                _ => e.to_string(),
+            };
+            conn.close(close::AUTH.into(), b"authentication failed");
+            Err(format!("authentication failed: {why}"))
+        }
+    }
+}
+
+/// Delivers the frames of an authenticated message stream; `Ok` on a goodbye.
+async fn read_messages(inner: &Inner, peer: Rank, mut recv: RecvStream) -> Result<(), TransportError> {
+    let limits = FrameLimits { max_payload: inner.cfg.get_max_payload(), peer };
+    loop {
+        let h = wire::read_header(&mut recv, limits).await?;
+        match h.kind {
+            FrameKind::Data => {
+                let payload = wire::read_payload(&mut recv, peer, h.len).await?;
+                inner.mailbox.deliver(Envelope { src: peer, ctx: h.ctx, tag: h.tag, payload });
+            }
+            FrameKind::Bye => return Ok(()),
+            FrameKind::GetRequest | FrameKind::GetReply | FrameKind::GetRefusal => {
+                let source = FrameError::Malformed("a get frame on the message stream");
+                return Err(TransportError::Frame { peer, source });
+            }
+        }
+    }
+}
+
+/// Accepts the peer's get streams, each served by its own task on tokio (never on the
+/// application thread that owns the window), until the connection ends.
+async fn serve_gets(inner: Arc<Inner>, conn: Connection, peer: Rank) {
+    while let Ok((send, recv)) = conn.accept_bi().await {
+        let task = tokio::spawn(serve_get(inner.clone(), conn.clone(), peer, send, recv));
+        inner.track(task.abort_handle());
+    }
+}
+
+/// Answers one get: reads the request, looks the range up, and sends back a slice of
+/// the window (no copy) or the refusal.
+async fn serve_get(inner: Arc<Inner>, conn: Connection, peer: Rank, mut send: SendStream, mut recv: RecvStream) {
+    let me = inner.me.rank;
+    let cap = inner.cfg.get_max_payload();
+    let t = inner.cfg.get_handshake_timeout();
+    let req = match timeout(t, read_request(&mut recv, FrameLimits { max_payload: cap, peer })).await {
+        Ok(Ok(req)) => req,
+        Ok(Err(e @ TransportError::Frame { .. })) => {
+            tracing::error!("{me}: closing the connection from {peer}: {e}");
+            conn.close(close::BAD_FRAME.into(), b"bad frame");
+            return;
+        }
+        Ok(Err(e)) => {
+            tracing::debug!("{me}: a get by {peer} ended early: {e}");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!("{me}: {peer} sent no get request within {t:?}");
+            return;
+        }
+    };
+    let reply = inner.windows.read_capped(req, cap);
+    let (kind, payload) = match reply {
+        Ok(bytes) => (FrameKind::GetReply, bytes),
+        Err(why) => {
+            tracing::warn!("{me}: refused a get by {peer}: {why}");
+            (FrameKind::GetRefusal, Bytes::from(window::encode_refusal(&why)))
+        }
+    };
+    let header = FrameHeader::get(kind, me, 0, payload.len() as u64).encode();
+    let mut chunks = [Bytes::copy_from_slice(&header), payload];
+    if let Err(e) = send.write_all_chunks(&mut chunks).await {
+        tracing::debug!("{me}: cannot answer a get by {peer}: {e}");
+        return;
+    }
+    // Only fails if the stream is already finished or reset, which it is not.
+    let _ = send.finish();
+}
+
+/// Reads a get request: a validated get-request header and the request itself.
+async fn read_request(recv: &mut RecvStream, limits: FrameLimits) -> Result<GetRequest, TransportError> {
+    let peer = limits.peer;
+    let h = wire::read_header(recv, limits).await?;
+    let malformed = |what| TransportError::Frame { peer, source: FrameError::Malformed(what) };
+    if h.kind != FrameKind::GetRequest {
+        return Err(malformed("not a get request on a get stream"));
+    }
+    let body = wire::read_payload(recv, peer, REQUEST_LEN as u64).await?;
+    GetRequest::decode(&body).ok_or_else(|| malformed("get request"))
+}
