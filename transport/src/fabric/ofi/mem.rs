@@ -1,0 +1,250 @@
+//! Memory the provider may touch, each kind owned together with its registration so
+//! that the memory outlives it: the registration is a field declared (so dropped)
+//! before the memory. `Vec` and `Bytes` contents do not move when their owner does.
+//!
+//! - [`LocalBuf`]: a send or receive buffer, registered if the provider needs local
+//!   registration (`FI_MR_LOCAL`).
+//! - [`ReadDest`]: the destination of RMA reads, shared (`Arc`) by the reads in flight
+//!   into it; its bytes are taken out only once no read holds it.
+//! - [`Remote`]: bytes registered for peers to read, with what a peer needs to address
+//!   them.
+
+use super::{check, close, Attrs, Domain, Ep, OfiError};
+use crate::fabric::sys;
+use bytes::Bytes;
+use std::cell::UnsafeCell;
+use std::ffi::c_void;
+use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// A registered memory region (it does not own the memory; its holder does).
+struct Mr {
+    ptr: *mut sys::fid_mr,
+    _domain: Arc<Domain>,
+    /// The endpoint an `FI_MR_ENDPOINT` region is bound to.
+    _ep: Option<Arc<Ep>>,
+}
+
+// SAFETY: opened on an FI_THREAD_SAFE domain; the pointer is only closed in Drop.
+unsafe impl Send for Mr {}
+// SAFETY: as above.
+unsafe impl Sync for Mr {}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: valid fid, closed once (before the endpoint it may be bound to).
+        close(unsafe { &raw mut (*self.ptr).fid }, "memory region");
+    }
+}
+
+/// What a peer needs to read a region: the address of its first byte as the provider
+/// wants it (the virtual address under `FI_MR_VIRT_ADDR`, else 0), the key (raw bytes
+/// under `FI_MR_RAW`, else the 64-bit key little endian) and the raw base address
+/// (`FI_MR_RAW` only).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(in crate::fabric) struct RemoteKey {
+    pub(in crate::fabric) addr: u64,
+    pub(in crate::fabric) key: Vec<u8>,
+    pub(in crate::fabric) raw_base: u64,
+}
+
+/// Registers memory as the provider's `mr_mode` asks, with unique requested keys.
+pub(in crate::fabric) struct Registrar {
+    domain: Arc<Domain>,
+    /// Regions are bound to this endpoint (`FI_MR_ENDPOINT`).
+    ep: Option<Arc<Ep>>,
+    local: bool,
+    virt: bool,
+    raw: bool,
+    key_size: usize,
+    next_key: AtomicU64,
+}
+
+impl Registrar {
+    /// A registrar for `ep`'s domain and mode bits.
+    pub(in crate::fabric) fn new(domain: &Arc<Domain>, ep: &Arc<Ep>, attrs: &Attrs) -> Self {
+        Self {
+            domain: domain.clone(),
+            ep: attrs.mr(sys::FI_MR_ENDPOINT).then(|| ep.clone()),
+            local: attrs.mr(sys::FI_MR_LOCAL),
+            virt: attrs.mr(sys::FI_MR_VIRT_ADDR),
+            raw: attrs.mr(sys::FI_MR_RAW),
+            key_size: attrs.mr_key_size,
+            next_key: AtomicU64::new(1),
+        }
+    }
+
+    /// Registers `len` bytes at `buf`.
+    ///
+    /// # Safety
+    /// The memory stays valid until the `Mr` is dropped.
+    unsafe fn register(&self, buf: *const u8, len: usize, access: u32) -> Result<Mr, OfiError> {
+        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
+        let mut mr = ptr::null_mut();
+        let (d, access) = (self.domain.ptr, u64::from(access));
+        // SAFETY: the caller keeps the memory valid; mr receives the new object.
+        check("fi_mr_reg", unsafe { sys::fi_mr_reg(d, buf.cast(), len, access, 0, key, 0, &mut mr, ptr::null_mut()) })?;
+        let mut this = Mr { ptr: mr, _domain: self.domain.clone(), _ep: None };
+        if let Some(ep) = &self.ep {
+            // SAFETY: valid MR and endpoint fids; the Mr keeps the endpoint alive.
+            unsafe {
+                check("fi_mr_bind", sys::fi_mr_bind(mr, &raw mut (*ep.0).fid, 0))?;
+                check("fi_mr_enable", sys::fi_mr_enable(mr))?;
+            }
+            this._ep = Some(ep.clone());
+        }
+        Ok(this)
+    }
+
+    /// A send or receive buffer (`access` `FI_SEND` or `FI_RECV`), registered only if
+    /// the provider needs local registration.
+    pub(in crate::fabric) fn local(&self, mem: Vec<u8>, access: u32) -> Result<LocalBuf, OfiError> {
+        let mr = if self.local && !mem.is_empty() {
+            // SAFETY: the LocalBuf owns `mem` and drops the Mr first; a Vec's contents do
+            // not move when the Vec does.
+            Some(unsafe { self.register(mem.as_ptr(), mem.len(), access) }?)
+        } else {
+            None
+        };
+        Ok(LocalBuf { mr, mem })
+    }
+
+    /// A zeroed destination of `len` bytes for reads.
+    pub(in crate::fabric) fn read_dest(&self, len: usize) -> Result<Arc<ReadDest>, OfiError> {
+        let mut mem = vec![0u8; len];
+        let mr = if self.local && len > 0 {
+            // SAFETY: the ReadDest owns `mem` and drops the Mr first (see `take`).
+            Some(unsafe { self.register(mem.as_mut_ptr(), len, sys::FI_READ) }?)
+        } else {
+            None
+        };
+        let base = mem.as_mut_ptr();
+        Ok(Arc::new(ReadDest { mr: Mutex::new(mr), base, len, mem: UnsafeCell::new(mem) }))
+    }
+
+    /// Registers `bytes` for peers to read (an empty region is not registered).
+    pub(in crate::fabric) fn remote(&self, bytes: Bytes) -> Result<Remote, OfiError> {
+        if bytes.is_empty() {
+            return Ok(Remote { _mr: None, key: RemoteKey { addr: 0, key: Vec::new(), raw_base: 0 }, bytes });
+        }
+        // SAFETY: the Remote owns `bytes` (which never move) and drops the Mr first.
+        let mr = unsafe { self.register(bytes.as_ptr(), bytes.len(), sys::FI_REMOTE_READ) }?;
+        let addr = if self.virt { bytes.as_ptr() as u64 } else { 0 };
+        let key = if self.raw {
+            let mut key = vec![0u8; self.key_size.max(8)];
+            let (mut size, mut base) = (key.len(), 0);
+            // SAFETY: key has `size` writable bytes; base and size receive the results.
+            let ret = unsafe { sys::fi_mr_raw_attr(mr.ptr, &mut base, key.as_mut_ptr(), &mut size, 0) };
+            check("fi_mr_raw_attr", ret)?;
+            key.truncate(size);
+            RemoteKey { addr, key, raw_base: base }
+        } else {
+            // SAFETY: valid MR.
+            let key = unsafe { sys::fi_mr_key(mr.ptr) };
+            RemoteKey { addr, key: key.to_le_bytes().to_vec(), raw_base: 0 }
+        };
+        Ok(Remote { _mr: Some(mr), key, bytes })
+    }
+
+    /// The key to use in reads of a peer's region described by `key` (mapped under
+    /// `FI_MR_RAW`: release it with [`Registrar::unmap`]), and whether it was mapped.
+    pub(in crate::fabric) fn peer_key(&self, key: &RemoteKey) -> Result<(u64, bool), String> {
+        if self.raw {
+            return self.domain.map_raw(key.raw_base, &key.key).map(|k| (k, true)).map_err(|e| e.to_string());
+        }
+        let k: [u8; 8] = key.key.as_slice().try_into().map_err(|_| "a malformed MR key".to_string())?;
+        Ok((u64::from_le_bytes(k), false))
+    }
+
+    /// Releases a key mapped by [`Registrar::peer_key`].
+    pub(in crate::fabric) fn unmap(&self, key: u64) {
+        self.domain.unmap_key(key);
+    }
+}
+
+/// A send or receive buffer with its registration, if any.
+pub(in crate::fabric) struct LocalBuf {
+    mr: Option<Mr>,
+    mem: Vec<u8>,
+}
+
+impl LocalBuf {
+    /// The bytes.
+    pub(in crate::fabric) fn bytes(&self) -> &[u8] {
+        &self.mem
+    }
+
+    /// Closes the registration, keeping the memory (teardown).
+    pub(in crate::fabric) fn unregister(&mut self) {
+        self.mr = None;
+    }
+
+    pub(super) fn raw(&self) -> (*const u8, usize, *mut c_void) {
+        (self.mem.as_ptr(), self.mem.len(), desc(self.mr.as_ref()))
+    }
+}
+
+fn desc(mr: Option<&Mr>) -> *mut c_void {
+    // SAFETY: a valid MR.
+    mr.map_or(ptr::null_mut(), |m| unsafe { sys::fi_mr_desc(m.ptr) })
+}
+
+/// The destination of RMA reads; see the module docs.
+pub(in crate::fabric) struct ReadDest {
+    mr: Mutex<Option<Mr>>,
+    /// The first byte of `mem` (taken before `mem` was shared; never moves).
+    base: *mut u8,
+    len: usize,
+    mem: UnsafeCell<Vec<u8>>,
+}
+
+// SAFETY: while the destination is shared, `mem` is only written by the provider,
+// through `base`, in the disjoint ranges of the reads in flight; it is moved out only by
+// `take`, which needs the last reference (no read in flight holds one).
+unsafe impl Sync for ReadDest {}
+// SAFETY: as above; the Mr is Send.
+unsafe impl Send for ReadDest {}
+
+impl ReadDest {
+    /// Closes the registration (teardown).
+    pub(in crate::fabric) fn unregister(&self) {
+        *self.mr.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    }
+
+    /// The bytes read, once no read holds the destination any more.
+    pub(in crate::fabric) fn take(this: Arc<Self>) -> Option<Vec<u8>> {
+        let d = Arc::try_unwrap(this).ok()?;
+        drop(d.mr);
+        Some(d.mem.into_inner())
+    }
+
+    /// The address of byte `offset` of `len` (within bounds) and the descriptor.
+    pub(super) fn raw(&self, offset: usize, len: usize) -> Option<(*mut u8, *mut c_void)> {
+        if offset.checked_add(len)? > self.len {
+            return None;
+        }
+        let d = desc(self.mr.lock().unwrap_or_else(PoisonError::into_inner).as_ref());
+        Some((self.base.wrapping_add(offset), d))
+    }
+}
+
+/// Bytes registered for peers to read. Field order: the registration is closed before
+/// the bytes are released.
+pub(in crate::fabric) struct Remote {
+    _mr: Option<Mr>,
+    key: RemoteKey,
+    bytes: Bytes,
+}
+
+impl Remote {
+    /// What a peer needs to read it.
+    pub(in crate::fabric) fn key(&self) -> &RemoteKey {
+        &self.key
+    }
+
+    /// Its size in bytes.
+    pub(in crate::fabric) fn len(&self) -> usize {
+        self.bytes.len()
+    }
+}

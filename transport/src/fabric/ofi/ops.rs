@@ -1,0 +1,227 @@
+//! Operations in flight and how they are posted.
+//!
+//! Every posted operation (receive buffer, send, RMA read) is owned by the [`Ops`]
+//! table from before it is posted until its completion is read, keyed by the address of
+//! its boxed `fi_context2` (the context libfabric hands back; providers with the
+//! `FI_CONTEXT`/`FI_CONTEXT2` modes write into it). Each operation owns the memory the
+//! provider touches for it ([`LocalBuf`], or a share of a [`ReadDest`]). A completion
+//! whose context is not in the table is ignored, never dereferenced.
+//!
+//! A post that meets a full queue (`FI_EAGAIN`) waits in a backlog, retried in order by
+//! whoever makes progress, and failed once its deadline passes.
+
+use super::mem::{LocalBuf, ReadDest};
+use super::{Ep, OfiError, Posted};
+use crate::error::TransportError;
+use crate::fabric::sys;
+use crate::ids::Rank;
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::oneshot;
+
+/// What a send's completion tells its sender.
+pub(in crate::fabric) type SendDone = oneshot::Sender<Result<(), TransportError>>;
+
+/// An operation owned by the table.
+pub(in crate::fabric) enum Op {
+    /// A posted receive buffer.
+    Recv(LocalBuf),
+    /// A send of an encoded message to `peer` (if known) at `fi_addr`, with its waiting
+    /// sender.
+    Send { peer: Option<Rank>, fi_addr: u64, buf: LocalBuf, done: Option<SendDone> },
+    /// One chunk of transfer `transfer`, into `dest`.
+    Read { transfer: u64, dest: Arc<ReadDest> },
+}
+
+/// The per-operation context libfabric hands back with a completion (scratch space
+/// for providers with the `FI_CONTEXT`/`FI_CONTEXT2` modes).
+#[derive(Default)]
+struct OpContext(#[allow(dead_code)] sys::fi_context2);
+
+// SAFETY: the pointers inside are the provider's scratch space for an operation in
+// flight; the backend never reads them, it only keeps the memory alive and in place.
+unsafe impl Send for OpContext {}
+// SAFETY: as above.
+unsafe impl Sync for OpContext {}
+
+struct Slot {
+    /// Kept alive (and at a fixed address) for the provider while the op is in flight.
+    _ctx: Box<OpContext>,
+    op: Op,
+}
+
+/// How to post an operation of the table. Only the table makes these, from memory the
+/// operation owns.
+#[derive(Clone, Copy)]
+pub(in crate::fabric) struct Post(Kind);
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Recv { buf: usize, len: usize, desc: usize, tag: u64 },
+    Send { buf: usize, len: usize, desc: usize, dest: u64, tag: u64 },
+    Read { buf: usize, len: usize, desc: usize, src: u64, addr: u64, key: u64 },
+}
+
+struct Waiting {
+    ctx: usize,
+    post: Post,
+    deadline: Instant,
+}
+
+/// The table of operations in flight and the backlog; see the module docs.
+#[derive(Default)]
+pub(in crate::fabric) struct Ops {
+    slots: Mutex<HashMap<usize, Slot>>,
+    backlog: Mutex<VecDeque<Waiting>>,
+}
+
+pub(in crate::fabric) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every critical section of the backend leaves its data consistent, so a poisoned
+    // lock (a panic elsewhere while holding it) is safe to keep using.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Ops {
+    fn insert(&self, op: Op) -> usize {
+        let ctx = Box::new(OpContext::default());
+        let key = &raw const *ctx as usize;
+        lock(&self.slots).insert(key, Slot { _ctx: ctx, op });
+        key
+    }
+
+    /// Adds a receive into `buf` of messages tagged `tag`; returns its context and post.
+    pub(in crate::fabric) fn add_recv(&self, buf: LocalBuf, tag: u64) -> (usize, Post) {
+        let (p, len, desc) = buf.raw();
+        let post = Post(Kind::Recv { buf: p as usize, len, desc: desc as usize, tag });
+        (self.insert(Op::Recv(buf)), post)
+    }
+
+    /// Adds a send of `buf` (an encoded message) with `tag` to `fi_addr`.
+    pub(in crate::fabric) fn add_send(
+        &self,
+        peer: Option<Rank>,
+        fi_addr: u64,
+        tag: u64,
+        buf: LocalBuf,
+        done: Option<SendDone>,
+    ) -> (usize, Post) {
+        let (p, len, desc) = buf.raw();
+        let post = Post(Kind::Send { buf: p as usize, len, desc: desc as usize, dest: fi_addr, tag });
+        (self.insert(Op::Send { peer, fi_addr, buf, done }), post)
+    }
+
+    /// Adds a read of `len` bytes into `dest` at `offset`, from `remote` = (source,
+    /// address, key); `None` if the range is outside `dest`.
+    pub(in crate::fabric) fn add_read(
+        &self,
+        transfer: u64,
+        dest: &Arc<ReadDest>,
+        (offset, len): (usize, usize),
+        (src, addr, key): (u64, u64, u64),
+    ) -> Option<(usize, Post)> {
+        let (p, desc) = dest.raw(offset, len)?;
+        let post = Post(Kind::Read { buf: p as usize, len, desc: desc as usize, src, addr, key });
+        Some((self.insert(Op::Read { transfer, dest: dest.clone() }), post))
+    }
+
+    /// Takes the operation whose completion carries `ctx`.
+    pub(in crate::fabric) fn take(&self, ctx: *mut c_void) -> Option<Op> {
+        lock(&self.slots).remove(&(ctx as usize)).map(|s| s.op)
+    }
+
+    /// Posts `post` (of the operation at `ctx`), or queues it behind earlier ones until
+    /// `deadline`. A hard failure removes the operation and returns it with the error.
+    pub(in crate::fabric) fn post(
+        &self,
+        ep: &Ep,
+        ctx: usize,
+        post: Post,
+        deadline: Instant,
+    ) -> Result<(), (Option<Op>, OfiError)> {
+        let mut backlog = lock(&self.backlog);
+        if backlog.is_empty() {
+            match self.try_post(ep, ctx, post) {
+                Ok(Posted::Yes) => return Ok(()),
+                Ok(Posted::Again) => {}
+                Err(e) => return Err((self.take(ctx as *mut c_void), e)),
+            }
+        }
+        backlog.push_back(Waiting { ctx, post, deadline });
+        Ok(())
+    }
+
+    fn try_post(&self, ep: &Ep, ctx: usize, Post(post): Post) -> Result<Posted, OfiError> {
+        if !lock(&self.slots).contains_key(&ctx) {
+            return Err(OfiError { call: "posting", code: sys::FI_ECANCELED as i32 });
+        }
+        let c = ctx as *mut c_void;
+        // SAFETY: a Post is only made by `add_*` from an operation put in the table
+        // (checked just above to still be there, so not completed): the memory is owned
+        // by that operation (its LocalBuf, or its share of the ReadDest, whose range
+        // `add_read` checked), heap memory that does not move, and `ctx` is the entry's
+        // boxed fi_context2. Entries leave the table only when their completion is read
+        // or their post fails, and the table is freed only after the endpoint is closed.
+        unsafe {
+            match post {
+                Kind::Recv { buf, len, desc, tag } => ep.trecv(buf as *mut u8, len, desc as *mut c_void, tag, c),
+                Kind::Send { buf, len, desc, dest, tag } => {
+                    ep.tsend(buf as *const u8, len, desc as *mut c_void, dest, tag, c)
+                }
+                Kind::Read { buf, len, desc, src, addr, key } => {
+                    ep.read(buf as *mut u8, len, desc as *mut c_void, src, addr, key, c)
+                }
+            }
+        }
+    }
+
+    /// Retries the backlog in order; fails posts past their deadline. Returns the
+    /// operations that failed, with why.
+    pub(in crate::fabric) fn retry(&self, ep: &Ep, now: Instant) -> Vec<(Op, String)> {
+        let mut failed = Vec::new();
+        let mut backlog = lock(&self.backlog);
+        while let Some(w) = backlog.front() {
+            let (ctx, post, deadline) = (w.ctx, w.post, w.deadline);
+            let outcome = match self.try_post(ep, ctx, post) {
+                Ok(Posted::Yes) => None,
+                Ok(Posted::Again) if now < deadline => break,
+                Ok(Posted::Again) => Some("the provider's queue stayed full".to_string()),
+                Err(e) => Some(e.to_string()),
+            };
+            backlog.pop_front();
+            if let Some(why) = outcome {
+                if let Some(op) = self.take(ctx as *mut c_void) {
+                    failed.push((op, why));
+                }
+            }
+        }
+        failed
+    }
+
+    /// Takes the queued (not yet posted) operations to or from `fi_addr` (its peer is
+    /// gone).
+    pub(in crate::fabric) fn drop_queued_to(&self, fi_addr: u64) -> Vec<Op> {
+        let mut backlog = lock(&self.backlog);
+        let mut out = Vec::new();
+        backlog.retain(|w| match w.post.0 {
+            Kind::Send { dest: a, .. } | Kind::Read { src: a, .. } if a == fi_addr => {
+                out.extend(self.take(w.ctx as *mut c_void));
+                false
+            }
+            _ => true,
+        });
+        out
+    }
+
+    /// Closes every registration held by operations (teardown, before the endpoint is
+    /// closed); the memory stays until the table is dropped.
+    pub(in crate::fabric) fn drop_registrations(&self) {
+        for s in lock(&self.slots).values_mut() {
+            match &mut s.op {
+                Op::Recv(buf) | Op::Send { buf, .. } => buf.unregister(),
+                Op::Read { dest, .. } => dest.unregister(),
+            }
+        }
+    }
+}

@@ -1,0 +1,330 @@
+//! Progress: reading the completion queue and acting on what arrives.
+//!
+//! Both providers tested here (and most) make data progress only inside libfabric calls
+//! (`FI_PROGRESS_MANUAL`), so a progress thread polls the completion queue: it spins
+//! briefly after activity, then sleeps between polls with a growing backoff (up to a
+//! millisecond). It does not block in `fi_cq_sread` (see [`super::ofi::Cq::open`]). An application thread waiting for data calls
+//! [`crate::transport::Transport::progress`], which reads the queue itself. Every
+//! [`TICK`] the thread also does the housekeeping: stale handshakes, pings, lost peers,
+//! and the backlog of posts that met a full queue.
+
+use super::ofi::{lock, Op};
+use super::ofi::{Completion, LocalBuf};
+use super::session::To;
+use super::state::Inner;
+use super::stream::Item;
+use super::transfer::Purpose;
+use super::wire::{Kind, Msg, DATA_HEADER};
+use crate::matching::PeerEnd;
+use crate::window::decode_refusal;
+use bytes::Bytes;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Receive buffers kept posted.
+pub(super) const RECV_POSTED: usize = 32;
+/// How often the progress thread does its housekeeping.
+const TICK: Duration = Duration::from_millis(100);
+/// Empty polls before the progress thread starts to wait.
+const SPIN: u32 = 64;
+/// Completions read at once.
+const BATCH: usize = 32;
+
+impl Inner {
+    /// Posts a receive buffer (a fresh one if `buf` is `None`).
+    pub(super) fn post_recv(&self, buf: Option<LocalBuf>) -> Result<(), super::ofi::OfiError> {
+        let buf = match buf {
+            Some(b) => b,
+            None => self.registrar.local(vec![0u8; self.eager], super::sys::FI_RECV)?,
+        };
+        let (ctx, post) = self.ops.add_recv(buf, super::wire::TAG);
+        let far = Instant::now() + Duration::from_secs(3600);
+        self.ops.post(&self.ep, ctx, post, far).map_err(|(_, e)| e)
+    }
+
+    /// Reads what the completion queue has and acts on it, and retries the backlog.
+    /// True if anything completed.
+    pub(super) fn progress_once(&self) -> bool {
+        let mut entries = [Completion::default(); BATCH];
+        let got = match self.ep.cq().read(&mut entries) {
+            Ok(n) => {
+                for c in &entries[..n] {
+                    self.completed(c);
+                }
+                n > 0
+            }
+            Err(e) if e.code == super::sys::FI_EAVAIL as i32 => self.read_errors(),
+            Err(e) => {
+                tracing::error!("{}: reading the completion queue failed: {e}", self.me.rank);
+                false
+            }
+        };
+        for (op, why) in self.ops.retry(&self.ep, Instant::now()) {
+            self.failed(op, why);
+        }
+        got
+    }
+
+    fn read_errors(&self) -> bool {
+        let _serial = lock(&self.err_lock);
+        let mut any = false;
+        while let Some(e) = self.ep.cq().read_err() {
+            any = true;
+            match self.ops.take(e.context) {
+                Some(op) if e.code == super::sys::FI_ECANCELED as i32 => drop(op),
+                Some(op) => self.failed(op, e.text),
+                None => tracing::warn!("{}: an operation failed: {}", self.me.rank, e.text),
+            }
+        }
+        any
+    }
+
+    /// An operation failed (error completion, or its post did).
+    fn failed(&self, op: Op, why: String) {
+        match op {
+            Op::Recv(buf) => {
+                tracing::warn!("{}: a receive failed: {why}", self.me.rank);
+                self.repost(buf);
+            }
+            Op::Send { peer, fi_addr, done, .. } => {
+                let who = peer.unwrap_or(self.me.rank);
+                if let Some(d) = done {
+                    let _ = d.send(Err(self.ofi_err(who, &why)));
+                }
+                lock(&self.sessions).fail_dials_to(fi_addr, |r| self.ofi_err(r, &why));
+                match peer {
+                    Some(rank) if !self.shutdown.load(Ordering::Acquire) => {
+                        self.peer_ended(rank, PeerEnd::Lost, &format!("a send to it failed: {why}"));
+                    }
+                    _ => tracing::debug!("{}: a send failed: {why}", self.me.rank),
+                }
+            }
+            Op::Read { transfer, dest } => {
+                drop(dest);
+                self.chunk_done(transfer, Err(why));
+            }
+        }
+    }
+
+    fn repost(&self, buf: LocalBuf) {
+        if self.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        if let Err(e) = self.post_recv(Some(buf)) {
+            tracing::error!("{}: cannot post a receive buffer: {e}", self.me.rank);
+        }
+    }
+
+    fn completed(&self, c: &Completion) {
+        let Some(op) = self.ops.take(c.op_context) else {
+            tracing::warn!("{}: a completion for an unknown operation", self.me.rank);
+            return;
+        };
+        match op {
+            Op::Recv(buf) => {
+                let bytes = buf.bytes();
+                self.received(c.tag, &bytes[..c.len.min(bytes.len())]);
+                self.repost(buf);
+            }
+            Op::Send { done, .. } => {
+                if let Some(d) = done {
+                    let _ = d.send(Ok(()));
+                }
+            }
+            Op::Read { transfer, dest } => {
+                // The transfer takes its buffer back once no read holds it.
+                drop(dest);
+                self.chunk_done(transfer, Ok(()));
+            }
+        }
+    }
+
+    /// A message arrived; nothing it contains is trusted before its token names a peer
+    /// that proved the job key (see [`super::session`]).
+    fn received(&self, tag: u64, body: &[u8]) {
+        let me = self.me.rank;
+        if tag != super::wire::TAG {
+            tracing::debug!("{me}: dropped a message with a foreign tag {tag:#x}");
+            return;
+        }
+        let Some((token, msg)) = Msg::decode(body) else {
+            tracing::warn!("{me}: dropped a malformed message");
+            return;
+        };
+        let now = Instant::now();
+        match msg.kind() {
+            Kind::Hello => self.hello(&msg, now),
+            Kind::Challenge => {
+                let proof = lock(&self.sessions).on_challenge(&msg, now);
+                if let Some((fi_addr, proof)) = proof {
+                    self.send_ctl(None, To { fi_addr, token: 0 }, &proof);
+                }
+            }
+            Kind::Proof => {
+                let outcome = lock(&self.sessions).on_proof(&msg, now);
+                match outcome {
+                    Some(Ok((rank, fi_addr, accept))) => {
+                        self.mailbox.peer_connected(rank);
+                        self.send_ctl(Some(rank), To { fi_addr, token: 0 }, &accept);
+                    }
+                    Some(Err((rank, fi_addr, inserted))) => {
+                        tracing::error!("{me}: rejected an endpoint claiming {rank}: it failed to prove the job key");
+                        self.unuse_if_inserted(fi_addr, inserted);
+                    }
+                    None => {}
+                }
+            }
+            Kind::Accept => {
+                let rank = lock(&self.sessions).on_accept(&msg);
+                if let Some(rank) = rank {
+                    self.mailbox.peer_connected(rank);
+                }
+            }
+            kind => {
+                let rank = lock(&self.sessions).heard(token, now);
+                match rank {
+                    Some(rank) => self.dispatch(rank, msg, body),
+                    None => tracing::warn!("{me}: dropped a {kind:?} message from an unauthenticated endpoint"),
+                }
+            }
+        }
+    }
+
+    fn hello(&self, msg: &Msg, now: Instant) {
+        let Msg::Hello { name, rank, .. } = msg else { return };
+        // The dialer is answered at the name it sent: a member of our table is found
+        // there; a joiner (or an intruder) is inserted, and removed if it fails.
+        let (fi_addr, inserted) = {
+            let mut names = lock(&self.names);
+            match names.get(name.as_slice()) {
+                Some(a) => (*a, false),
+                None => match self.ep.av().insert(name) {
+                    Ok(a) => {
+                        names.insert(name.clone(), a);
+                        (a, true)
+                    }
+                    Err(e) => {
+                        tracing::warn!("{}: dropped a hello from {rank} with a bad address: {e}", self.me.rank);
+                        return;
+                    }
+                },
+            }
+        };
+        let challenge = lock(&self.sessions).on_hello(fi_addr, inserted, msg, now);
+        match challenge {
+            Ok(c) => self.send_ctl(None, To { fi_addr, token: 0 }, &c),
+            Err(e) => {
+                tracing::error!("{}: rejected a hello from an endpoint claiming {rank}: {e}", self.me.rank);
+                self.unuse_if_inserted(fi_addr, inserted);
+            }
+        }
+    }
+
+    /// Removes an address inserted for a failed handshake, unless a rank uses it.
+    fn unuse_if_inserted(&self, fi_addr: u64, inserted: bool) {
+        if inserted && !lock(&self.sessions).in_use(fi_addr) {
+            lock(&self.names).retain(|_, a| *a != fi_addr);
+            self.ep.av().remove(fi_addr);
+        }
+    }
+
+    fn dispatch(&self, rank: crate::ids::Rank, msg: Msg, body: &[u8]) {
+        let arrive = |head, item| self.arrive(rank, head, Some(item), false);
+        match msg {
+            Msg::Data { head, ctx, tag } => {
+                let payload = Bytes::copy_from_slice(body.get(DATA_HEADER..).unwrap_or_default());
+                arrive(head, Item::Data { ctx, tag, payload });
+            }
+            Msg::Rts { head, ctx, tag, len, id, region } => self.rendezvous(rank, (head, ctx, tag, len, id), &region),
+            Msg::Bye { head } => arrive(head, Item::Bye),
+            Msg::Fin { id } => self.outgoing_done(rank, id),
+            Msg::Release { req } => self.released(rank, req),
+            Msg::Query { req, window } => self.answer_query(rank, req, window),
+            Msg::Desc { req, size, region } => {
+                let desc = super::rma::encode_desc(size, &region);
+                if self.queries.complete(rank, req, Ok(desc)).is_err() {
+                    // The get was abandoned: give the lease back.
+                    self.reply(rank, &Msg::Release { req });
+                }
+            }
+            Msg::Refusal { req, why } => match decode_refusal(&why) {
+                Some(why) => {
+                    if let Err(e) = self.queries.complete(rank, req, Err(why)) {
+                        tracing::warn!("{}: {e}", self.me.rank);
+                    }
+                }
+                None => tracing::warn!("{}: dropped a malformed refusal from {rank}", self.me.rank),
+            },
+            Msg::Ping => self.reply(rank, &Msg::Pong),
+            Msg::Pong | Msg::Hello { .. } | Msg::Challenge { .. } | Msg::Proof { .. } | Msg::Accept { .. } => {}
+        }
+    }
+
+    /// A rendezvous announcement: take its place in the stream and read the payload.
+    fn rendezvous(
+        &self,
+        rank: crate::ids::Rank,
+        (head, ctx, tag, len, id): (super::wire::Head, crate::Context, crate::Tag, u64, u64),
+        region: &super::wire::Region,
+    ) {
+        let cap = self.cfg.get_max_payload();
+        let Some(n) = usize::try_from(len).ok().filter(|_| len <= cap) else {
+            let why = format!("it announced a message of {len} bytes, over the cap of {cap}");
+            return self.peer_ended(rank, PeerEnd::Lost, &why);
+        };
+        if let Err(e) = lock(&self.streams).arrive(rank, head, None) {
+            return self.peer_ended(rank, PeerEnd::Lost, &e);
+        }
+        let purpose = Purpose::Message { head, ctx, tag, id };
+        if n == 0 {
+            self.reply(rank, &Msg::Fin { id });
+            return self.arrive(rank, head, Some(Item::Data { ctx, tag, payload: Bytes::new() }), true);
+        }
+        let read = match lock(&self.sessions).addr_of(rank) {
+            Some(src) => self.start_transfer(rank, src, region, 0, n, purpose),
+            None => Err("no address".into()),
+        };
+        if let Err(e) = read {
+            self.peer_ended(rank, PeerEnd::Lost, &format!("cannot read its message: {e}"));
+        }
+    }
+
+    /// Housekeeping; see the module docs.
+    fn tick(&self) {
+        let now = Instant::now();
+        let limit = self.cfg.get_connect_timeout() + self.cfg.get_handshake_timeout();
+        let t = lock(&self.sessions).tick(now, limit);
+        for a in t.unused {
+            self.unuse_if_inserted(a, true);
+        }
+        for (rank, to) in t.ping {
+            self.send_ctl(Some(rank), to, &Msg::Ping);
+        }
+        for rank in t.lost {
+            let why = format!("no answer for {:?}", super::session::LOST_AFTER);
+            self.peer_ended(rank, PeerEnd::Lost, &why);
+        }
+    }
+}
+
+/// The progress thread's loop; ends when the endpoint shuts down.
+pub(super) fn run(inner: Arc<Inner>) {
+    let mut idle = 0u32;
+    let mut last_tick = Instant::now();
+    while !inner.shutdown.load(Ordering::Acquire) {
+        if inner.progress_once() {
+            idle = 0;
+        } else {
+            idle = idle.saturating_add(1);
+            if idle > SPIN {
+                let shift = (idle - SPIN).min(5);
+                std::thread::sleep(Duration::from_micros(32 << shift));
+            }
+        }
+        if last_tick.elapsed() >= TICK {
+            last_tick = Instant::now();
+            inner.tick();
+        }
+    }
+}

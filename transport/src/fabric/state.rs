@@ -1,0 +1,324 @@
+//! The backend's shared state, its sends, and what happens when a peer ends.
+
+use super::ofi::{lock, Attrs, Ep, Op, Ops, Registrar, SendDone};
+use super::rma::{Leases, Outgoing, Transfers};
+use super::session::{Dial, Sessions, To};
+use super::stream::{Item, Streams};
+use super::wire::{Head, Msg, DATA_HEADER};
+use super::NAME;
+use crate::auth::Identity;
+use crate::config::TransportConfig;
+use crate::error::TransportError;
+use crate::ids::{Context, Rank, Tag};
+use crate::matching::{Envelope, Mailbox, PeerEnd};
+use crate::window::{GetTable, WindowTable};
+use bytes::Bytes;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::oneshot;
+
+/// The state of one endpoint, shared by the application's calls and the progress
+/// thread. Field order is teardown order (see `Drop`): the endpoint closes before the
+/// buffers that operations in flight point into are freed.
+pub(super) struct Inner {
+    pub(super) me: Identity,
+    pub(super) cfg: TransportConfig,
+    pub(super) mailbox: Arc<Mailbox>,
+    pub(super) attrs: Attrs,
+    /// Our endpoint name (what `local_addr` shows and `Hello` carries).
+    pub(super) name: Vec<u8>,
+    /// Largest encoded message sent eagerly (the size of posted receive buffers).
+    pub(super) eager: usize,
+    /// Largest single RMA read.
+    pub(super) chunk: usize,
+    pub(super) ep: Arc<Ep>,
+    /// Registers memory as the provider needs (holds the domain and maybe the endpoint).
+    pub(super) registrar: Registrar,
+    pub(super) ops: Ops,
+    pub(super) transfers: Transfers,
+    pub(super) sessions: Mutex<Sessions>,
+    /// Names inserted into the address vector, and their addresses.
+    pub(super) names: Mutex<HashMap<Vec<u8>, u64>>,
+    pub(super) streams: Mutex<Streams>,
+    pub(super) windows: WindowTable,
+    pub(super) leases: Mutex<Leases>,
+    pub(super) outgoing: Mutex<HashMap<u64, Outgoing>>,
+    pub(super) queries: GetTable,
+    /// Ids of transfers and rendezvous payloads.
+    pub(super) next_id: AtomicU64,
+    /// Serialises error-completion reads (their error data lives until the next one).
+    pub(super) err_lock: Mutex<()>,
+    pub(super) closed: AtomicBool,
+    pub(super) shutdown: AtomicBool,
+}
+
+impl Inner {
+    pub(super) fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(super) fn ofi_err(&self, peer: Rank, e: impl std::fmt::Display) -> TransportError {
+        TransportError::io(peer, std::io::Error::other(format!("{NAME}: {e}")))
+    }
+
+    /// Posts a message to `to` (credited to `peer` if known); `done` hears of its local
+    /// completion.
+    pub(super) fn post_msg(
+        &self,
+        peer: Option<Rank>,
+        to: To,
+        msg: &Msg,
+        payload: &[u8],
+        done: Option<SendDone>,
+    ) -> Result<(), TransportError> {
+        let who = peer.unwrap_or(self.me.rank);
+        let buf = self.registrar.local(msg.encode(to.token, payload), super::sys::FI_SEND);
+        let buf = buf.map_err(|e| self.ofi_err(who, e))?;
+        let (ctx, post) = self.ops.add_send(peer, to.fi_addr, super::wire::TAG, buf, done);
+        let deadline = Instant::now() + self.cfg.get_connect_timeout();
+        self.ops.post(&self.ep, ctx, post, deadline).map_err(|(op, e)| {
+            if let Some(Op::Send { done: Some(d), .. }) = op {
+                let _ = d.send(Err(self.ofi_err(who, &e)));
+            }
+            self.ofi_err(who, e)
+        })
+    }
+
+    /// Sends a control message, logging a failure (the sender does not wait for it).
+    pub(super) fn send_ctl(&self, peer: Option<Rank>, to: To, msg: &Msg) {
+        if let Err(e) = self.post_msg(peer, to, msg, &[], None) {
+            tracing::warn!("{}: cannot send a {:?} message: {e}", self.me.rank, msg.kind());
+        }
+    }
+
+    /// Sends a control message to a proven peer with a stream, if it still has one.
+    pub(super) fn reply(&self, rank: Rank, msg: &Msg) {
+        let to = lock(&self.sessions).to(rank);
+        match to {
+            Some(to) => self.send_ctl(Some(rank), to, msg),
+            None => tracing::debug!("{}: no stream to {rank} for a {:?} message", self.me.rank, msg.kind()),
+        }
+    }
+
+    /// Makes sure a stream to `dst` exists, running the handshake if needed: the
+    /// `Hello` must leave within the connect timeout (the provider may have to connect
+    /// first), the rest take at most the handshake timeout.
+    pub(super) async fn connect(&self, dst: Rank) -> Result<(), TransportError> {
+        let step = lock(&self.sessions).dial(dst, &self.name, Instant::now())?;
+        let (connect, handshake) = (self.cfg.get_connect_timeout(), self.cfg.get_handshake_timeout());
+        let rx = match step {
+            Dial::Ready => return Ok(()),
+            Dial::Wait(rx) => rx,
+            Dial::Start(fi_addr, hello, rx) => {
+                let (tx, sent) = oneshot::channel();
+                self.post_msg(Some(dst), To { fi_addr, token: 0 }, &hello, &[], Some(tx))?;
+                let _ = self.progress_once();
+                match tokio::time::timeout(connect, sent).await {
+                    Ok(Ok(Ok(()))) => {}
+                    Ok(Ok(Err(e))) => return Err(e),
+                    Ok(Err(_)) => return Err(TransportError::Closed),
+                    Err(_) => {
+                        lock(&self.sessions).abandon_dial(dst, connect);
+                        let what = format!("a connection to {dst}");
+                        return Err(TransportError::Timeout { what, after: connect });
+                    }
+                }
+                rx
+            }
+        };
+        match tokio::time::timeout(connect + handshake, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(TransportError::Closed),
+            Err(_) => {
+                lock(&self.sessions).abandon_dial(dst, handshake);
+                Err(TransportError::Timeout {
+                    what: format!("the authentication handshake with {dst}"),
+                    after: handshake,
+                })
+            }
+        }
+    }
+
+    /// Sends a tagged message: eagerly if it fits a receive buffer, else by rendezvous
+    /// (the payload is registered and the receiver reads it). Completes when the
+    /// message (or its announcement) has left.
+    pub(super) async fn send(&self, dst: Rank, ctx: Context, tag: Tag, payload: Bytes) -> Result<(), TransportError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(TransportError::Closed);
+        }
+        let cap = self.cfg.get_max_payload();
+        if payload.len() as u64 > cap {
+            return Err(TransportError::MessageTooLarge { peer: dst, len: payload.len(), cap });
+        }
+        self.connect(dst).await?;
+        let eager = DATA_HEADER + payload.len() <= self.eager;
+        // Registering may fail: do it before a sequence number is taken, as a number
+        // taken must be sent for the receiver's stream to go on.
+        let rendezvous = if eager { None } else { Some(self.offer(dst, &payload)?) };
+        let (tx, rx) = oneshot::channel();
+        let posted = {
+            let mut sessions = lock(&self.sessions);
+            let Some((to, head)) = sessions.next_head(dst) else {
+                drop(sessions);
+                if let Some((id, _)) = rendezvous {
+                    lock(&self.outgoing).remove(&id);
+                }
+                return Err(TransportError::PeerLost(dst));
+            };
+            match &rendezvous {
+                None => self.post_msg(Some(dst), to, &Msg::Data { head, ctx, tag }, &payload, Some(tx)),
+                Some((id, region)) => {
+                    let len = payload.len() as u64;
+                    let rts = Msg::Rts { head, ctx, tag, len, id: *id, region: region.clone() };
+                    self.post_msg(Some(dst), to, &rts, &[], Some(tx))
+                }
+            }
+        };
+        if let Err(e) = posted {
+            // The stream now has a hole: the peer cannot be talked to in order any more.
+            self.peer_ended(dst, PeerEnd::Lost, &e.to_string());
+            return Err(e);
+        }
+        let _ = self.progress_once();
+        rx.await.unwrap_or(Err(TransportError::Closed))
+    }
+
+    /// Delivers the in-order items of an arrival from `rank` (`item`: see
+    /// [`Streams::arrive`]; `filled`: a rendezvous read completed instead). Delivery
+    /// happens under the streams lock, so that two threads reading completions cannot
+    /// reorder a stream; a goodbye ends its peer once the lock is released.
+    pub(super) fn arrive(&self, rank: Rank, head: Head, item: Option<Item>, filled: bool) {
+        let mut streams = lock(&self.streams);
+        let ready = if filled {
+            Ok(item.map(|i| streams.fill(rank, head, i)).unwrap_or_default())
+        } else {
+            streams.arrive(rank, head, item)
+        };
+        let ready = match ready {
+            Ok(r) => r,
+            Err(e) => {
+                drop(streams);
+                return self.peer_ended(rank, PeerEnd::Lost, &e);
+            }
+        };
+        let mut ended = None;
+        for (rank, item) in ready {
+            match item {
+                Item::Data { ctx, tag, payload } => self.mailbox.deliver(Envelope { src: rank, ctx, tag, payload }),
+                Item::Bye => ended = Some(rank),
+            }
+        }
+        drop(streams);
+        if let Some(rank) = ended {
+            self.peer_ended(rank, PeerEnd::Closed, "it said goodbye");
+        }
+    }
+
+    /// A peer said goodbye or was lost: forget it, fail what waits on it.
+    pub(super) fn peer_ended(&self, rank: Rank, how: PeerEnd, why: &str) {
+        let err = move || match how {
+            PeerEnd::Closed => TransportError::PeerClosed(rank),
+            PeerEnd::Lost => TransportError::PeerLost(rank),
+        };
+        let addr = {
+            let mut sessions = lock(&self.sessions);
+            let addr = sessions.addr_of(rank);
+            sessions.forget(rank);
+            if let Some(a) = addr {
+                sessions.fail_dials_to(a, |_| err());
+            }
+            addr
+        };
+        let dropped = lock(&self.streams).forget(rank);
+        if how == PeerEnd::Lost && !self.shutdown.load(Ordering::Acquire) {
+            tracing::error!("{}: {rank} is lost ({why}); {dropped} undelivered messages dropped", self.me.rank);
+        } else {
+            tracing::debug!("{}: {rank} ended: {why}", self.me.rank);
+        }
+        self.mailbox.peer_ended(rank, how);
+        self.queries.fail_peer(rank, err);
+        self.transfers.abandon_peer(rank, err);
+        lock(&self.outgoing).retain(|_, o| o.peer != rank);
+        lock(&self.leases).release_peer(rank);
+        for op in addr.map(|a| self.ops.drop_queued_to(a)).unwrap_or_default() {
+            if let Op::Send { done: Some(d), .. } = op {
+                let _ = d.send(Err(err()));
+            }
+        }
+    }
+
+    /// Says goodbye to every peer we have a stream to, waits (bounded) for the goodbyes
+    /// to leave and for peers to finish reading our rendezvous payloads, then stops.
+    pub(super) async fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let byes = lock(&self.sessions).close();
+        let mut waits = Vec::new();
+        for (rank, to, head) in byes {
+            let (tx, rx) = oneshot::channel();
+            if self.post_msg(Some(rank), to, &Msg::Bye { head }, &[], Some(tx)).is_ok() {
+                waits.push(rx);
+            }
+        }
+        let deadline = tokio::time::Instant::now() + self.cfg.get_handshake_timeout();
+        for rx in waits {
+            let _ = tokio::time::timeout_at(deadline, rx).await;
+        }
+        while !lock(&self.outgoing).is_empty() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        self.shutdown.store(true, Ordering::Release);
+        self.queries.fail_all();
+        self.transfers.abandon_all();
+    }
+}
+
+/// Endpoints kept open until the process exits, with their posted buffers; see `Drop`.
+static KEPT_OPEN: Mutex<Vec<(Arc<Ep>, Ops)>> = Mutex::new(Vec::new());
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Registrations go first (FI_MR_ENDPOINT regions hold the endpoint), then the
+        // endpoint (by field order), and only then the buffers it may write into.
+        self.ops.drop_registrations();
+        self.transfers.drop_registrations(&self.registrar);
+        lock(&self.leases).clear();
+        lock(&self.outgoing).clear();
+        if self.attrs.provider == "shm" {
+            // libfabric 1.17's shm reaches a peer endpoint of the same process through
+            // that endpoint's own mapping of its region, which closing it unmaps: a
+            // send from a surviving endpoint of this process would then fault. So an
+            // shm endpoint stays open (idle) until the process exits; its region's name
+            // is removed now (the mappings stay valid), as closing would have done.
+            lock(&KEPT_OPEN).push((self.ep.clone(), std::mem::take(&mut self.ops)));
+            if let Some(file) = shm_region_file(&self.name) {
+                let _ = std::fs::remove_file(file);
+            }
+        }
+    }
+}
+
+/// The file of an shm endpoint's region, from its name (`fi_shm://<file>` and a NUL).
+fn shm_region_file(name: &[u8]) -> Option<std::path::PathBuf> {
+    let name = std::str::from_utf8(name).ok()?.trim_end_matches('\0');
+    let file = name.strip_prefix("fi_shm://")?;
+    let plain = !file.is_empty() && !file.contains('/') && file != "." && file != "..";
+    plain.then(|| std::path::Path::new("/dev/shm").join(file))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shm_region_file;
+
+    #[test]
+    fn shm_region_files_come_only_from_plain_shm_names() {
+        let file = shm_region_file(b"fi_shm://1285:0:3\0").unwrap();
+        assert_eq!(file, std::path::Path::new("/dev/shm/1285:0:3"));
+        for bad in [&b"fi_shm://../etc\0"[..], b"fi_shm://a/b", b"fi_shm://", b"fi_sockaddr_in://1", b"\xff"] {
+            assert_eq!(shm_region_file(bad), None, "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! In-order delivery per sending stream.
+//!
+//! Completions may be reported in any order (providers promise send-after-send order
+//! of matching at best, not of completions, and a rendezvous message completes only
+//! when its read does), so every ordered message carries its stream's sequence number
+//! and waits here until all earlier ones of the stream are delivered. A stream is one
+//! sender endpoint's stream to us, keyed by (sender, stream id).
+
+use super::wire::Head;
+use crate::ids::{Context, Rank, Tag};
+use bytes::Bytes;
+use std::collections::{BTreeMap, HashMap};
+
+/// How far ahead of the next expected message a sequence number may run.
+const MAX_AHEAD: u64 = 1 << 20;
+
+/// An ordered message, once complete.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Item {
+    /// A message for the mailbox.
+    Data { ctx: Context, tag: Tag, payload: Bytes },
+    /// The sender closed its endpoint.
+    Bye,
+}
+
+enum Slot {
+    Ready(Item),
+    /// A rendezvous message whose read is under way.
+    Reading,
+}
+
+struct Stream {
+    rank: Rank,
+    next: u64,
+    pending: BTreeMap<u64, Slot>,
+}
+
+/// The streams of every source; see the module docs.
+#[derive(Default)]
+pub(super) struct Streams {
+    map: HashMap<(Rank, u64), Stream>,
+}
+
+/// Items ready for delivery, in order, with their source rank.
+pub(super) type Ready = Vec<(Rank, Item)>;
+
+impl Streams {
+    /// A message arrived: `item` is `None` for a rendezvous message still being read.
+    /// Returns what can be delivered now.
+    ///
+    /// # Errors
+    /// A sequence number already used or implausibly far ahead (a broken peer).
+    pub(super) fn arrive(&mut self, rank: Rank, head: Head, item: Option<Item>) -> Result<Ready, String> {
+        let s = self.map.entry((rank, head.stream)).or_insert(Stream { rank, next: 0, pending: BTreeMap::new() });
+        if head.seq < s.next || head.seq - s.next > MAX_AHEAD || s.pending.contains_key(&head.seq) {
+            return Err(format!(
+                "message {} of stream {:#x} is out of sequence (next {})",
+                head.seq, head.stream, s.next
+            ));
+        }
+        s.pending.insert(head.seq, item.map_or(Slot::Reading, Slot::Ready));
+        Ok(Self::drain(s))
+    }
+
+    /// The read of a rendezvous message completed. Returns what can be delivered now.
+    pub(super) fn fill(&mut self, rank: Rank, head: Head, item: Item) -> Ready {
+        let Some(s) = self.map.get_mut(&(rank, head.stream)) else { return Vec::new() };
+        match s.pending.get_mut(&head.seq) {
+            Some(slot @ Slot::Reading) => *slot = Slot::Ready(item),
+            _ => return Vec::new(),
+        }
+        Self::drain(s)
+    }
+
+    fn drain(s: &mut Stream) -> Ready {
+        let mut out = Vec::new();
+        while let Some(entry) = s.pending.first_entry() {
+            if *entry.key() != s.next || matches!(entry.get(), Slot::Reading) {
+                break;
+            }
+            if let Slot::Ready(item) = entry.remove() {
+                out.push((s.rank, item));
+            }
+            s.next += 1;
+        }
+        out
+    }
+
+    /// Forgets every stream from `rank` (it ended); undelivered messages are dropped.
+    /// Returns how many were.
+    pub(super) fn forget(&mut self, rank: Rank) -> usize {
+        let mut dropped = 0;
+        self.map.retain(|(r, _), s| {
+            if *r == rank {
+                dropped += s.pending.len();
+            }
+            *r != rank
+        });
+        dropped
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: u8) -> Item {
+        Item::Data { ctx: Context(0), tag: Tag(1), payload: Bytes::from(vec![n]) }
+    }
+
+    fn head(seq: u64) -> Head {
+        Head { stream: 7, seq }
+    }
+
+    #[test]
+    fn out_of_order_arrivals_are_delivered_in_order() {
+        let mut s = Streams::default();
+        assert!(s.arrive(Rank(2), head(1), Some(data(1))).unwrap().is_empty());
+        assert!(s.arrive(Rank(2), head(2), None).unwrap().is_empty());
+        let out = s.arrive(Rank(2), head(0), Some(data(0))).unwrap();
+        assert_eq!(out, vec![(Rank(2), data(0)), (Rank(2), data(1))]);
+        assert!(s.arrive(Rank(2), head(3), Some(Item::Bye)).unwrap().is_empty());
+        assert_eq!(s.fill(Rank(2), head(2), data(2)), vec![(Rank(2), data(2)), (Rank(2), Item::Bye)]);
+    }
+
+    #[test]
+    fn replays_and_far_jumps_are_refused() {
+        let mut s = Streams::default();
+        s.arrive(Rank(2), head(0), Some(data(0))).unwrap();
+        assert!(s.arrive(Rank(2), head(0), Some(data(0))).is_err());
+        assert!(s.arrive(Rank(2), head(MAX_AHEAD + 5), Some(data(0))).is_err());
+        assert!(s.fill(Rank(2), head(9), data(0)).is_empty());
+        assert!(s.fill(Rank(3), head(0), data(0)).is_empty());
+    }
+
+    #[test]
+    fn streams_of_one_source_are_independent_and_forgotten_together() {
+        let mut s = Streams::default();
+        let other = Head { stream: 8, seq: 0 };
+        assert_eq!(s.arrive(Rank(2), other, Some(data(5))).unwrap().len(), 1);
+        assert!(s.arrive(Rank(2), head(1), Some(data(1))).unwrap().is_empty());
+        assert_eq!(s.forget(Rank(2)), 1);
+        assert_eq!(s.arrive(Rank(2), head(0), Some(data(0))).unwrap().len(), 1);
+    }
+}

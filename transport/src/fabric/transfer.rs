@@ -1,0 +1,222 @@
+//! Reads of remote registered memory: rendezvous messages and gets.
+//!
+//! A transfer reads `len` bytes into a fresh buffer (registered under `FI_MR_LOCAL`),
+//! in chunks of at most the provider's message size, and completes explicitly when
+//! every chunk's completion has been read. A get first obtains the window's descriptor
+//! and a lease from its owner (see [`super::rma`]), checks the range against the
+//! window's size itself, reads, and releases the lease. A transfer whose waiter gave up
+//! or whose peer is gone keeps its buffer until its chunks complete (or the endpoint
+//! closes): the provider may still be writing into it.
+
+use super::ofi::{lock, ReadDest, Registrar};
+use super::rma::{decode_desc, DESC_LEN};
+use super::state::Inner;
+use super::stream::Item;
+use super::wire::{Head, Msg, Region};
+use crate::error::TransportError;
+use crate::ids::{Context, Rank, Tag};
+use crate::window::{await_get, GetRequest, WindowError, WindowId};
+use bytes::Bytes;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::oneshot;
+
+/// What a finished transfer is for.
+pub(super) enum Purpose {
+    /// A rendezvous message: its place in its stream and the sender's payload id.
+    Message { head: Head, ctx: Context, tag: Tag, id: u64 },
+    /// A get: its waiter, and the lease to release when done.
+    Get { done: oneshot::Sender<Result<Bytes, TransportError>>, lease: u64 },
+    /// Nobody waits any more.
+    Abandoned,
+}
+
+struct Transfer {
+    /// Shared with the reads in flight into it.
+    dest: Arc<ReadDest>,
+    /// A mapped raw key to release (`FI_MR_RAW`).
+    mapped: Option<u64>,
+    left: usize,
+    error: Option<String>,
+    peer: Rank,
+    purpose: Purpose,
+}
+
+/// The transfers in flight, by id.
+#[derive(Default)]
+pub(super) struct Transfers(Mutex<HashMap<u64, Transfer>>);
+
+impl Transfers {
+    /// Fails the gets reading from `peer`; their buffers stay until the chunks complete.
+    pub(super) fn abandon_peer(&self, peer: Rank, err: impl Fn() -> TransportError) {
+        for t in lock(&self.0).values_mut().filter(|t| t.peer == peer) {
+            if let Purpose::Get { done, .. } = std::mem::replace(&mut t.purpose, Purpose::Abandoned) {
+                let _ = done.send(Err(err()));
+            }
+        }
+    }
+
+    /// Fails every get (the endpoint closes).
+    pub(super) fn abandon_all(&self) {
+        for t in lock(&self.0).values_mut() {
+            t.purpose = Purpose::Abandoned;
+        }
+    }
+
+    /// Closes registrations and mapped keys (teardown, before the endpoint closes).
+    pub(super) fn drop_registrations(&self, registrar: &Registrar) {
+        for t in lock(&self.0).values_mut() {
+            t.dest.unregister();
+            if let Some(k) = t.mapped.take() {
+                registrar.unmap(k);
+            }
+        }
+    }
+}
+
+impl Inner {
+    /// Starts reading `len` (> 0) bytes at `offset` of `region` at `src` (`peer`).
+    pub(super) fn start_transfer(
+        &self,
+        peer: Rank,
+        src: u64,
+        region: &Region,
+        offset: u64,
+        len: usize,
+        purpose: Purpose,
+    ) -> Result<(), String> {
+        let base = region.addr.checked_add(offset).filter(|b| b.checked_add(len as u64).is_some());
+        let base = base.ok_or("the range overflows the address space")?;
+        let dest = self.registrar.read_dest(len).map_err(|e| e.to_string())?;
+        let (key, mapped) = self.registrar.peer_key(region)?;
+        let mapped = mapped.then_some(key);
+        let chunks = len.div_ceil(self.chunk);
+        let id = self.next_id();
+        let t = Transfer { dest: dest.clone(), mapped, left: chunks, error: None, peer, purpose };
+        // The reads are posted under the transfers lock, and our share of `dest` dropped
+        // before it is released: a read that completes meanwhile waits for it, and then
+        // finds the transfer holding the last share once all reads are done.
+        let mut transfers = lock(&self.transfers.0);
+        transfers.insert(id, t);
+        let deadline = Instant::now() + self.cfg.get_connect_timeout();
+        let mut failed = None;
+        for i in 0..chunks {
+            let off = i * self.chunk;
+            let n = self.chunk.min(len - off);
+            let posted = match self.ops.add_read(id, &dest, (off, n), (src, base + off as u64, key)) {
+                Some((ctx, post)) => self.ops.post(&self.ep, ctx, post, deadline).map_err(|(_, e)| e.to_string()),
+                None => Err("a read outside its buffer".to_string()),
+            };
+            if let Err(e) = posted {
+                failed = Some((chunks - i, e));
+                break;
+            }
+        }
+        drop(dest);
+        drop(transfers);
+        if let Some((unposted, e)) = failed {
+            for _ in 0..unposted {
+                self.chunk_done(id, Err(e.clone()));
+            }
+        }
+        Ok(())
+    }
+
+    /// One chunk of transfer `id` completed.
+    pub(super) fn chunk_done(&self, id: u64, result: Result<(), String>) {
+        let t = {
+            let mut ts = lock(&self.transfers.0);
+            let Some(t) = ts.get_mut(&id) else { return };
+            if let Err(e) = result {
+                t.error.get_or_insert(e);
+            }
+            t.left = t.left.saturating_sub(1);
+            if t.left > 0 {
+                return;
+            }
+            match ts.remove(&id) {
+                Some(t) => t,
+                None => return,
+            }
+        };
+        let Transfer { dest, mapped, mut error, peer, purpose, .. } = t;
+        if let Some(k) = mapped {
+            self.registrar.unmap(k);
+        }
+        // Every read into `dest` is done: the completions of all its chunks were read.
+        let buf = ReadDest::take(dest).unwrap_or_else(|| {
+            error.get_or_insert_with(|| "a read buffer still in use".into());
+            Vec::new()
+        });
+        match (purpose, error) {
+            (Purpose::Message { head, ctx, tag, id }, None) => {
+                self.reply(peer, &Msg::Fin { id });
+                self.arrive(peer, head, Some(Item::Data { ctx, tag, payload: Bytes::from(buf) }), true);
+            }
+            (Purpose::Message { .. }, Some(e)) => {
+                let why = format!("reading a rendezvous message failed: {e}");
+                self.peer_ended(peer, crate::matching::PeerEnd::Lost, &why);
+            }
+            (Purpose::Get { done, lease }, error) => {
+                self.reply(peer, &Msg::Release { req: lease });
+                let failed = |e| TransportError::Window { peer, what: format!("the read failed: {e}") };
+                let _ = done.send(error.map_or(Ok(Bytes::from(buf)), |e| Err(failed(e))));
+            }
+            (Purpose::Abandoned, _) => {}
+        }
+    }
+
+    /// Reads a range of `dst`'s window `id`; see the module docs.
+    pub(super) async fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> Result<Bytes, TransportError> {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(TransportError::Closed);
+        }
+        let refused = |e: WindowError| TransportError::Window { peer: dst, what: e.to_string() };
+        if dst == self.me.rank {
+            return self.windows.read(GetRequest { window: id, offset, len }).map_err(refused);
+        }
+        let (lease, size, region) = self.query(dst, id).await?;
+        let fi_addr = lock(&self.sessions).addr_of(dst).ok_or(TransportError::PeerLost(dst))?;
+        let release = || self.reply(dst, &Msg::Release { req: lease });
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            release();
+            return Err(refused(WindowError::OutOfRange { window: id, offset, len, size }));
+        }
+        let n = match usize::try_from(len) {
+            Ok(0) | Err(_) => {
+                release();
+                // A length that fits the window fits the owner's address space, not
+                // necessarily ours.
+                return if len == 0 {
+                    Ok(Bytes::new())
+                } else {
+                    Err(refused(WindowError::TooLarge { len, cap: usize::MAX as u64 }))
+                };
+            }
+            Ok(n) => n,
+        };
+        let (tx, rx) = oneshot::channel();
+        if let Err(e) = self.start_transfer(dst, fi_addr, &region, offset, n, Purpose::Get { done: tx, lease }) {
+            release();
+            return Err(TransportError::Window { peer: dst, what: e });
+        }
+        let _ = self.progress_once();
+        rx.await.unwrap_or(Err(TransportError::Closed))
+    }
+
+    /// Asks `dst` for window `id`'s descriptor: (lease, size, region).
+    async fn query(&self, dst: Rank, id: WindowId) -> Result<(u64, u64, Region), TransportError> {
+        self.connect(dst).await?;
+        let to = lock(&self.sessions).to(dst).ok_or(TransportError::PeerLost(dst))?;
+        let (req, rx) = self.queries.start(dst, DESC_LEN as u64);
+        if let Err(e) = self.post_msg(Some(dst), to, &Msg::Query { req, window: id }, &[], None) {
+            self.queries.cancel(req);
+            return Err(e);
+        }
+        let raw = await_get(&self.queries, req, rx).await?;
+        let (size, region) = decode_desc(&raw)
+            .ok_or_else(|| TransportError::Window { peer: dst, what: "a malformed window descriptor".into() })?;
+        Ok((req, size, region))
+    }
+}

@@ -1,0 +1,65 @@
+//! Encoding and decoding of every message kind.
+
+use super::*;
+use proptest::prelude::*;
+
+fn samples() -> Vec<Msg> {
+    let region = Region { addr: 0x1000, raw_base: 7, key: vec![1, 2, 3, 4, 5, 6, 7, 8] };
+    let head = Head { stream: 99, seq: 3 };
+    vec![
+        Msg::Hello { job: JobId(5), rank: Rank(3), nonce: [9; 32], name: vec![1, 2, 3] },
+        Msg::Challenge { listener: Rank(1), dialer_nonce: [1; 32], listener_nonce: [2; 32], mac: [3; 32] },
+        Msg::Proof { dialer_nonce: [4; 32], mac: [5; 32] },
+        Msg::Accept { dialer_nonce: [6; 32] },
+        Msg::Data { head, ctx: Context(4), tag: Tag(0x8000_0001) },
+        Msg::Rts { head, ctx: Context(1), tag: Tag(2), len: 1 << 30, id: 17, region: region.clone() },
+        Msg::Bye { head },
+        Msg::Fin { id: 17 },
+        Msg::Query { req: 8, window: WindowId(3) },
+        Msg::Desc { req: 8, size: 4096, region },
+        Msg::Refusal { req: 8, why: [1; REFUSAL_LEN] },
+        Msg::Ping,
+        Msg::Pong,
+        Msg::Release { req: 8 },
+    ]
+}
+
+#[test]
+fn every_kind_round_trips() {
+    for m in samples() {
+        let token = if m.kind().is_handshake() { 0 } else { 0x1234 };
+        assert_eq!(Msg::decode(&m.encode(0x1234, &[])), Some((token, m)));
+    }
+    assert_eq!(Msg::decode(&[]), None);
+    assert_eq!(Msg::decode(&[99]), None);
+}
+
+#[test]
+fn data_keeps_its_payload_after_the_header() {
+    let m = Msg::Data { head: Head { stream: 1, seq: 2 }, ctx: Context(3), tag: Tag(4) };
+    let b = m.encode(9, b"payload");
+    assert_eq!(&b[DATA_HEADER..], b"payload");
+    assert_eq!(Msg::decode(&b), Some((9, m)));
+}
+
+#[test]
+fn truncated_or_padded_bodies_are_refused() {
+    for m in samples() {
+        let b = m.encode(5, &[]);
+        if m.kind() != Kind::Data && b.len() > 1 {
+            assert_eq!(Msg::decode(&b[..b.len() - 1]), None, "{m:?}");
+            let mut long = b.clone();
+            long.push(0);
+            assert_eq!(Msg::decode(&long), None, "{m:?}");
+        }
+    }
+}
+
+proptest! {
+    #[test]
+    fn decoding_never_panics(mut b in proptest::collection::vec(any::<u8>(), 0..400), k in 0usize..14) {
+        let _ = Msg::decode(&b);
+        b.insert(0, KINDS[k] as u8);
+        let _ = Msg::decode(&b);
+    }
+}
