@@ -256,3 +256,31 @@ fn a_process_crashing_during_a_shrink_fails_the_job_naming_it_and_leaves_nothing
     assert_no_survivors(&report);
     let _ = std::fs::remove_file(report);
 }
+
+#[test]
+fn an_application_finishing_during_a_background_growth_ends_the_job_cleanly() {
+    // One checkpoint (iteration 25 of 30): the growth it starts is still pending when
+    // the solver finishes, since no later checkpoint could switch to it.
+    let args = ["--background", "--points", "1000", "--iters", "30", "--every", "25"];
+    let report = tmp("abandoned.json");
+    let prog = ex("jacobi");
+    let mut cmd = vec!["run", "--timeout", "120", "--report", report.to_str().unwrap()];
+    cmd.extend(["-n", "1", "--slots", "1", "--max-nodes", "8", "--policy", "steps:8", "--", &prog]);
+    cmd.extend(args);
+    let started = Instant::now();
+    let out = run(&cmd);
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(took < Duration::from_secs(30), "the job took {took:?}: it waited for the abandoned growth");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("processes 1 "), "{}", String::from_utf8_lossy(&out.stdout));
+    let v = read_report(&report);
+    assert!(v["reconfigurations"].as_array().unwrap().is_empty(), "{v}");
+    assert!(v["failure"].is_null(), "{v}");
+    let nodes = v["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 8, "the growth started its node worlds: {v}");
+    // The new node worlds' ranks are in the report, and nothing of the job survives.
+    assert!(nodes[1..].iter().all(|n| !n["pids"].as_array().unwrap().is_empty()), "{v}");
+    assert_no_survivors(&report);
+    let _ = std::fs::remove_file(report);
+}

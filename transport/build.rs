@@ -1,8 +1,11 @@
 //! Build script: generates the libfabric bindings of the `fabric` backend.
 //!
 //! Does nothing unless the `fabric` cargo feature is on. With it, bindgen reads the
-//! system libfabric headers (`<rdma/fabric.h>` and friends, Debian libfabric-dev 1.17)
-//! and the crate links `libfabric`.
+//! system libfabric headers (`<rdma/fabric.h>` and friends, Debian libfabric-dev 1.17).
+//! The crate does not link `libfabric`: the few functions the library exports are
+//! loaded at run time (`src/fabric/sys.rs`), because libfabric's constructors cost
+//! every process that links it about 200 ms at start, fabric or not, and a missing
+//! library must be an error of the fabric transport rather than of the loader.
 //!
 //! Most of libfabric's API (`fi_domain`, `fi_endpoint`, `fi_tsend`, `fi_cq_read`,
 //! `fi_mr_reg`, `fi_close`, ...) is `static inline` in the headers, calling through the
@@ -37,6 +40,9 @@ mod fabric {
         "rdma/fi_errno.h",
     ];
 
+    /// The exported libfabric functions the backend calls; `sys.rs` loads them.
+    const EXPORTED: &str = "fi_(getinfo|freeinfo|dupinfo|fabric|strerror)";
+
     pub(super) fn generate() {
         let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR for build scripts"));
         let wrapper = out.join("fabric_all.h");
@@ -48,6 +54,10 @@ mod fabric {
             .allowlist_function("fi_.*")
             .allowlist_type("fi_.*")
             .allowlist_var("FI_.*")
+            // Exported by libfabric, so loaded at run time by sys.rs, not linked.
+            .blocklist_function(EXPORTED)
+            // An inline function calling fi_dupinfo; sys.rs defines it over the loaded one.
+            .blocklist_function("fi_allocinfo")
             .wrap_static_fns(true)
             .wrap_static_fns_path(&statics)
             .derive_default(true)
@@ -65,6 +75,5 @@ mod fabric {
             .flag_if_supported("-Wno-unused-parameter")
             .flag_if_supported("-Wno-deprecated-declarations")
             .compile("ductile_fabric_static_fns");
-        println!("cargo:rustc-link-lib=fabric");
     }
 }

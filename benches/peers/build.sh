@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Build the Open MPI comparison peers (benches/peers/pingpong.c, spawn.c).
+# Build the Open MPI comparison peers (benches/peers/pingpong.c, spawn.c, redist.c).
 #
 # If mpicc/mpirun are missing, installs Debian's openmpi-bin and
 # libopenmpi-dev (root only). Output goes to ${OUT_DIR:-<repo>/target/peers}.
-# Prints the path of each built binary, one per line: spawn, then pingpong.
+# Prints the path of each built binary, one per line: spawn, redist, then pingpong.
 # The last line is always the pingpong path (backwards compatible).
 set -euo pipefail
 
@@ -24,10 +24,11 @@ if ! command -v mpicc >/dev/null 2>&1 || ! command -v mpirun >/dev/null 2>&1; th
 fi
 
 mkdir -p -- "${out_dir}"
-for peer in spawn pingpong; do
+for peer in spawn redist pingpong; do
     mpicc -std=c11 -O2 -Wall -Wextra -o "${out_dir}/${peer}" \
         "${script_dir}/${peer}.c" >&2
 done
 # pingpong must stay the last line: callers take the last line as its path.
 echo "${out_dir}/spawn"
+echo "${out_dir}/redist"
 echo "${out_dir}/pingpong"

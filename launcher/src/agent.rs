@@ -118,10 +118,12 @@ pub async fn run() -> anyhow::Result<()> {
     nonblocking::write_msg(report, &FromAgent::Ready(started.clone())).await?;
     let own = NodeStarted { node: h.node, agent_pid: std::process::id(), ranks: started };
     let (grown_tx, grown_rx) = mpsc::unbounded_channel();
+    let mut growing = 0;
     if let Some(j) = &h.joining {
         start_growth(&h, j.spawns.clone(), Dest::Spawner, &grown_tx);
+        growing += 1;
     }
-    let mut sup = Supervisor { h, up_tx, spawner, own, grown_tx };
+    let mut sup = Supervisor { h, up_tx, spawner, own, grown_tx, growing };
     sup.supervise(&mut world, reader(up_rx), grown_rx).await
 }
 
@@ -210,6 +212,7 @@ async fn await_ready(
             Ok(Ok(FromRank::Ready { addr })) => {
                 started.push(RankStarted { id, pid: world.procs.get(&id).map_or(0, |p| p.pid), addr });
             }
+            Ok(Ok(FromRank::Failed { reason })) => bail!("{id} cannot join the job: {reason}"),
             Ok(Ok(other)) => bail!("{id} sent {other:?} before joining"),
             Ok(Err(e)) => bail!("{id} did not join the job (is it a ductile program?): {e}"),
             Err(_) => bail!("{id} did not join the job within {t:?}"),
@@ -224,6 +227,10 @@ struct Supervisor {
     spawner: Option<OwnedWriteHalf>,
     own: NodeStarted,
     grown_tx: mpsc::UnboundedSender<Grown>,
+    /// Growths started here and not yet reported. The agent outlives its ranks until
+    /// they are: the agents it started check that their parent made their control
+    /// channel, and someone must report whether they came up.
+    growing: usize,
 }
 
 type Grown = (Dest, Result<Vec<NodeStarted>, String>);
@@ -237,7 +244,8 @@ fn start_growth(h: &AgentHandoff, orders: Vec<SpawnOrder>, dest: Dest, tx: &mpsc
 }
 
 impl Supervisor {
-    /// Relays messages and reports exits until every rank has ended.
+    /// Relays messages and reports exits until every rank has ended and every growth
+    /// started here has been reported.
     async fn supervise(
         &mut self,
         world: &mut NodeWorld,
@@ -258,7 +266,7 @@ impl Supervisor {
         }
         drop(msg_tx);
         let mut controller_open = true;
-        while !world.procs.is_empty() {
+        while !world.procs.is_empty() || self.growing > 0 {
             tokio::select! {
                 Some((rank, exit)) = world.exits.recv() => {
                     world.procs.remove(&rank);
@@ -271,7 +279,10 @@ impl Supervisor {
                         let _ = nonblocking::write_msg(&mut self.up_tx, &FromAgent::Rank(id, other)).await;
                     }
                 },
-                Some((dest, r)) = grown.recv() => self.grown(dest, r).await,
+                Some((dest, r)) = grown.recv() => {
+                    self.growing = self.growing.saturating_sub(1);
+                    self.grown(dest, r).await;
+                }
                 m = up.recv(), if controller_open => match m {
                     Some(Ok(msg)) => self.on_controller(world, msg).await,
                     Some(Err(_)) | None => {
@@ -280,7 +291,7 @@ impl Supervisor {
                     }
                 },
             }
-            if !controller_open && world.procs.is_empty() {
+            if !controller_open && world.procs.is_empty() && self.growing == 0 {
                 break;
             }
         }
@@ -306,6 +317,7 @@ impl Supervisor {
             },
             ToAgent::Grow(orders) => {
                 start_growth(&self.h, orders, Dest::Controller, &self.grown_tx);
+                self.growing += 1;
             }
             ToAgent::End(ids) => {
                 for id in ids {

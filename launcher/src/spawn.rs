@@ -77,9 +77,12 @@ fn child_setup(fd: i32, new_group: bool, parent: Option<u32>) -> std::io::Result
 /// Sends `sig` to a process (ignoring one that is already gone).
 pub fn signal_pid(pid: u32, sig: i32) {
     if let Ok(p) = i32::try_from(pid) {
-        // SAFETY: kill with a positive pid signals one process that we started.
-        unsafe {
-            libc::kill(p, sig);
+        // 0 and -1 would signal a whole group or every process: never pass them on.
+        if p > 1 {
+            // SAFETY: kill with a positive pid signals one process that we started.
+            unsafe {
+                libc::kill(p, sig);
+            }
         }
     }
 }

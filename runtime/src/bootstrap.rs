@@ -175,6 +175,12 @@ pub enum FromRank {
     },
     /// The rank finalized cleanly.
     Finalized,
+    /// The rank cannot join: its endpoint did not bind (unknown provider, missing
+    /// library, ...). Sent instead of `Ready`, so the launcher can say why.
+    Failed {
+        /// What went wrong.
+        reason: String,
+    },
 }
 
 /// Errors of the control channel.

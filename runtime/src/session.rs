@@ -241,7 +241,14 @@ fn launched(rt: Runtime, env: &EnvSettings, fd: i32) -> Result<Session> {
         }
         other => return Err(Error::Bootstrap(format!("expected the handoff from the agent, got {other:?}"))),
     };
-    let endpoint = bind(&rt, &h)?;
+    let endpoint = match bind(&rt, &h) {
+        Ok(e) => e,
+        Err(e) => {
+            // Best effort: the error is returned whether or not the agent hears it.
+            let _ = bootstrap::write_msg(&mut control, &FromRank::Failed { reason: e.to_string() });
+            return Err(e);
+        }
+    };
     bootstrap::write_msg(&mut control, &FromRank::Ready { addr: endpoint.transport().local_addr() })
         .map_err(control_err)?;
     set_read_timeout(&control, Duration::from_millis(h.timeout_ms.max(1)))?;

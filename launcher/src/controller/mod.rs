@@ -86,6 +86,9 @@ struct AgentConn {
     released_epoch: Option<u64>,
     /// The token an agent started by a resize must present.
     token: Option<Token>,
+    /// Started by a growth that was abandoned (the application finished first); its
+    /// processes are being ended, so their exits are not failures.
+    abandoned: bool,
 }
 
 enum Event {
@@ -300,6 +303,7 @@ impl Ctl {
                 joined_epoch: 0,
                 released_epoch: None,
                 token: None,
+                abandoned: false,
             });
         }
         tracing::info!("job {}: {} ranks on {} nodes", self.job, self.state.ranks.len(), self.agents.len());
@@ -411,7 +415,7 @@ impl Ctl {
                 if ag.done {
                     return;
                 }
-                if ag.live.is_empty() && !ag.started.is_empty() {
+                if ag.abandoned || ag.live.is_empty() && !ag.started.is_empty() {
                     // Its ranks are gone and so is it: a released node world.
                     ag.done = true;
                     self.after_exit().await;
@@ -438,7 +442,8 @@ impl Ctl {
             FromAgent::RankExited { rank, exit } => {
                 self.agents[a].live.remove(&rank);
                 let released = self.is_releasing(rank);
-                if exit != Exit::Code(0) && !self.ended_by_us(rank) && self.ending.is_none() {
+                let abandoned = self.agents[a].abandoned;
+                if exit != Exit::Code(0) && !abandoned && !self.ended_by_us(rank) && self.ending.is_none() {
                     let who = self.who(rank);
                     let who = if released { format!("{who}, while leaving in a shrink,") } else { who };
                     self.ending = Some(Ending::Rank(who, self.agents[a].node, exit));
@@ -446,7 +451,10 @@ impl Ctl {
                 self.after_exit().await;
             }
             FromAgent::Failed(why) => {
-                if self.ending.is_none() {
+                if self.flight.as_ref().is_some_and(InFlight::is_abandoned) {
+                    tracing::warn!("{why} (the growth was abandoned: the application had finished)");
+                    self.drop_abandoned().await;
+                } else if self.ending.is_none() {
                     self.ending = Some(Ending::Node(self.agents[a].node, why));
                 }
             }

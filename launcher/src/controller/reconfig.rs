@@ -88,9 +88,19 @@ pub struct InFlight {
     times: SwitchTimes,
     /// New agents by token.
     tokens: HashMap<usize, Token>,
+    /// Every agent this growth started (indices into the controller's agents).
+    new_agents: Vec<usize>,
+    /// The old processes all finished before the growth could switch: once every new
+    /// node world is up (or has failed) they are ended and the job ends normally.
+    abandoned: bool,
 }
 
 impl InFlight {
+    /// Whether the application finished while this growth was starting.
+    pub fn is_abandoned(&self) -> bool {
+        self.abandoned
+    }
+
     /// The job failed while this change was under way.
     pub fn fail(self, why: &str) {
         if let Some(r) = self.reply {
@@ -200,6 +210,8 @@ impl Ctl {
             t_switched: None,
             times: SwitchTimes::default(),
             tokens: HashMap::new(),
+            new_agents: Vec::new(),
+            abandoned: false,
         };
         match plan {
             Plan::Shrink(s) => {
@@ -234,6 +246,7 @@ impl Ctl {
                 self.host.insert(*id, idx);
             }
             f.tokens.insert(idx, tokens[g].clone());
+            f.new_agents.push(idx);
             self.agents.push(AgentConn {
                 node: *node,
                 pid: 0,
@@ -245,6 +258,7 @@ impl Ctl {
                 joined_epoch: epoch,
                 released_epoch: None,
                 token: Some(tokens[g].clone()),
+                abandoned: false,
             });
         }
         let mut per_agent: HashMap<usize, Vec<SpawnOrder>> = HashMap::new();
@@ -298,12 +312,49 @@ impl Ctl {
         self.after_exit().await;
     }
 
+    /// Whether every process of the current membership has exited.
+    fn old_world_ended(&self) -> bool {
+        self.agents.iter().all(|a| self.state.ranks.iter().all(|r| !a.live.contains(r)))
+    }
+
+    /// Ends an abandoned growth: its new node worlds are told to end, and the job ends
+    /// when their agents are done.
+    pub(super) async fn drop_abandoned(&mut self) {
+        let Some(f) = self.flight.take() else { return };
+        let seq = f.seq;
+        if let Phase::Spawning { started, .. } = &f.phase {
+            // Recorded for the report, so the ended processes can be accounted for.
+            for n in started {
+                if let Some(ag) = self.agents.iter_mut().find(|a| a.pid == n.agent_pid && a.node == n.node) {
+                    ag.started = n.ranks.clone();
+                }
+            }
+        }
+        for &a in &f.new_agents {
+            let ag = &mut self.agents[a];
+            ag.abandoned = true;
+            if ag.tx.is_none() {
+                // Never connected: its spawner reported the failure; nothing to wait for.
+                ag.done = true;
+            }
+        }
+        for &a in &f.new_agents {
+            if !self.agents[a].done {
+                self.send(a, &ToAgent::Abort).await;
+            }
+        }
+        f.fail(&format!("the application finished before resize {seq} could switch"));
+    }
+
     /// Finishes the gather of a growth once every report and every new agent is in.
     async fn gathered(&mut self) {
         let Some(f) = self.flight.as_mut() else { return };
         let Phase::Spawning { pending: 0, .. } = &f.phase else { return };
         if !f.tokens.is_empty() {
             return;
+        }
+        if f.abandoned {
+            return self.drop_abandoned().await;
         }
         let Phase::Spawning { started, plan, orders, .. } = std::mem::replace(&mut f.phase, Phase::Switching) else {
             return;
@@ -367,7 +418,18 @@ impl Ctl {
     pub(super) async fn after_exit(&mut self) {
         let Some(f) = self.flight.as_ref() else { return };
         match &f.phase {
-            Phase::Spawning { .. } => self.gathered().await,
+            Phase::Spawning { .. } => {
+                if !f.abandoned && self.old_world_ended() {
+                    let seq = f.seq;
+                    tracing::info!(
+                        "the application finished while resize {seq} was starting node worlds; they will be ended"
+                    );
+                    if let Some(f) = self.flight.as_mut() {
+                        f.abandoned = true;
+                    }
+                }
+                self.gathered().await;
+            }
             Phase::Switching => {}
             Phase::Releasing { .. } => {
                 let live: usize = self.agents.iter().map(|a| a.live.intersection(&f.leaving).count()).sum();

@@ -131,6 +131,7 @@ impl FabricTransport {
             addr: format!("libfabric provider {label:?}"),
             source: std::io::Error::other(e),
         };
+        sys::load().map_err(bind_err)?;
         let info = find(provider.as_deref(), &host).map_err(|e| {
             let what = "no such provider offers reliable datagram endpoints with tagged messages and RMA reads";
             if e.code == sys::FI_ENODATA as i32 {

@@ -14,3 +14,98 @@
 )]
 
 include!(concat!(env!("OUT_DIR"), "/fabric_bindings.rs"));
+
+use std::ffi::{c_char, c_int, c_void};
+use std::sync::OnceLock;
+
+/// The library file loaded: libfabric's run-time name (the `.so` without a version is
+/// only installed with the headers).
+pub(crate) const LIBRARY: &str = "libfabric.so.1";
+
+/// The functions libfabric exports that the backend calls, loaded from [`LIBRARY`].
+/// Everything else in its API is `static inline` in the headers (see `build.rs`).
+struct Api {
+    getinfo: unsafe extern "C" fn(u32, *const c_char, *const c_char, u64, *const fi_info, *mut *mut fi_info) -> c_int,
+    freeinfo: unsafe extern "C" fn(*mut fi_info),
+    dupinfo: unsafe extern "C" fn(*const fi_info) -> *mut fi_info,
+    fabric: unsafe extern "C" fn(*mut fi_fabric_attr, *mut *mut fid_fabric, *mut c_void) -> c_int,
+    strerror: unsafe extern "C" fn(c_int) -> *const c_char,
+    /// Keeps the library mapped for as long as the pointers above are used: forever.
+    _lib: libloading::Library,
+}
+
+static API: OnceLock<Result<Api, String>> = OnceLock::new();
+
+fn open() -> Result<Api, String> {
+    // SAFETY: loading libfabric runs its constructors, which only initialise the
+    // library's own state; the symbols are looked up with the C signatures of
+    // <rdma/fabric.h> (the same headers the bindings were generated from).
+    unsafe {
+        let lib = libloading::Library::new(LIBRARY)
+            .map_err(|e| format!("cannot load {LIBRARY}: {e} (install libfabric1)"))?;
+        macro_rules! sym {
+            ($name:literal) => {
+                *lib.get(concat!($name, "\0").as_bytes()).map_err(|e| format!("{LIBRARY} has no {}: {e}", $name))?
+            };
+        }
+        Ok(Api {
+            getinfo: sym!("fi_getinfo"),
+            freeinfo: sym!("fi_freeinfo"),
+            dupinfo: sym!("fi_dupinfo"),
+            fabric: sym!("fi_fabric"),
+            strerror: sym!("fi_strerror"),
+            _lib: lib,
+        })
+    }
+}
+
+/// Loads libfabric once per process; later calls return the first outcome.
+///
+/// # Errors
+/// The library or one of its functions is missing; the text says which.
+pub(crate) fn load() -> Result<(), String> {
+    API.get_or_init(open).as_ref().map(|_| ()).map_err(Clone::clone)
+}
+
+fn api() -> &'static Api {
+    match API.get() {
+        Some(Ok(api)) => api,
+        // Every endpoint is opened after load() succeeded, and only endpoints call in.
+        _ => unreachable!("libfabric called before sys::load succeeded"),
+    }
+}
+
+/// `fi_getinfo`; [`load`] must have succeeded.
+pub unsafe fn fi_getinfo(
+    version: u32,
+    node: *const c_char,
+    service: *const c_char,
+    flags: u64,
+    hints: *const fi_info,
+    info: *mut *mut fi_info,
+) -> c_int {
+    (api().getinfo)(version, node, service, flags, hints, info)
+}
+
+/// `fi_freeinfo`; [`load`] must have succeeded.
+pub unsafe fn fi_freeinfo(info: *mut fi_info) {
+    (api().freeinfo)(info);
+}
+
+/// `fi_allocinfo` (inline in the headers: `fi_dupinfo(NULL)`); [`load`] must have succeeded.
+pub unsafe fn fi_allocinfo() -> *mut fi_info {
+    (api().dupinfo)(std::ptr::null())
+}
+
+/// `fi_fabric`; [`load`] must have succeeded.
+pub unsafe fn fi_fabric(attr: *mut fi_fabric_attr, fabric: *mut *mut fid_fabric, context: *mut c_void) -> c_int {
+    (api().fabric)(attr, fabric, context)
+}
+
+/// `fi_strerror`, or null when libfabric is not loaded.
+pub unsafe fn fi_strerror(errnum: c_int) -> *const c_char {
+    match API.get() {
+        Some(Ok(api)) => (api.strerror)(errnum),
+        _ => std::ptr::null(),
+    }
+}
