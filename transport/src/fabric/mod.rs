@@ -61,7 +61,7 @@ use crate::transport::{BoxFuture, Capabilities, EndpointAddr, Transport, Transpo
 use crate::window::{GetTable, WindowId, WindowTable};
 use bytes::Bytes;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 mod ofi;
@@ -183,6 +183,7 @@ impl FabricTransport {
             err_lock: Mutex::new(()),
             closed: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
+            pollers: AtomicUsize::new(0),
         });
         for _ in 0..progress::RECV_POSTED {
             inner.post_recv(None).map_err(|e| bind_err(e.to_string()))?;
@@ -272,6 +273,14 @@ impl Transport for FabricTransport {
 
     fn progress(&self) -> bool {
         !self.inner.shutdown.load(Ordering::Acquire) && self.inner.progress_once()
+    }
+
+    fn poll_begin(&self) {
+        self.inner.pollers.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn poll_end(&self, _parking: bool) {
+        self.inner.pollers.fetch_sub(1, Ordering::AcqRel);
     }
 
     fn expose(&self, region: Bytes) -> Result<WindowId, TransportError> {

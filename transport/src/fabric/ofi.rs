@@ -20,7 +20,7 @@ mod info;
 mod mem;
 mod ops;
 
-use ep::Posted;
+pub(super) use ep::Posted;
 pub(super) use info::{Attrs, Info};
 pub(super) use mem::{LocalBuf, ReadDest, Registrar, Remote, RemoteKey};
 pub(super) use ops::{lock, Op, Ops, SendDone};

@@ -3,8 +3,9 @@
 //! Both providers tested here (and most) make data progress only inside libfabric calls
 //! (`FI_PROGRESS_MANUAL`), so a progress thread polls the completion queue: it spins
 //! briefly after activity, then sleeps between polls with a growing backoff (up to a
-//! millisecond). It does not block in `fi_cq_sread` (see [`super::ofi::Cq::open`]). An application thread waiting for data calls
-//! [`crate::transport::Transport::progress`], which reads the queue itself. Every
+//! millisecond). It does not block in `fi_cq_sread` (see [`super::ofi::Cq::open`]). An
+//! application thread waiting for data calls [`crate::transport::Transport::progress`],
+//! which reads the queue itself; while it does, the progress thread stands aside. Every
 //! [`TICK`] the thread also does the housekeeping: stale handshakes, pings, lost peers,
 //! and the backlog of posts that met a full queue.
 
@@ -26,6 +27,8 @@ use std::time::{Duration, Instant};
 pub(super) const RECV_POSTED: usize = 32;
 /// How often the progress thread does its housekeeping.
 const TICK: Duration = Duration::from_millis(100);
+/// How long the progress thread sleeps while an application thread polls.
+const STAND_ASIDE: Duration = Duration::from_micros(200);
 /// Empty polls before the progress thread starts to wait.
 const SPIN: u32 = 64;
 /// Completions read at once.
@@ -60,7 +63,7 @@ impl Inner {
                 false
             }
         };
-        for (op, why) in self.ops.retry(&self.ep, Instant::now()) {
+        for (op, why) in self.ops.retry(&self.ep) {
             self.failed(op, why);
         }
         got
@@ -313,7 +316,12 @@ pub(super) fn run(inner: Arc<Inner>) {
     let mut idle = 0u32;
     let mut last_tick = Instant::now();
     while !inner.shutdown.load(Ordering::Acquire) {
-        if inner.progress_once() {
+        if inner.pollers.load(Ordering::Acquire) > 0 {
+            // An application thread is reading the queue itself: on a machine with as
+            // many cores as ranks, a second thread spinning on the same queue only takes
+            // its core away (and the queue's lock), so this one waits its turn.
+            std::thread::sleep(STAND_ASIDE);
+        } else if inner.progress_once() {
             idle = 0;
         } else {
             idle = idle.saturating_add(1);

@@ -1,6 +1,6 @@
 //! The backend's shared state, its sends, and what happens when a peer ends.
 
-use super::ofi::{lock, Attrs, Ep, Op, Ops, Registrar, SendDone};
+use super::ofi::{lock, Attrs, Ep, Op, Ops, Posted, Registrar, SendDone};
 use super::rma::{Leases, Outgoing, Transfers};
 use super::session::{Dial, Sessions, To};
 use super::stream::{Item, Streams};
@@ -14,7 +14,7 @@ use crate::matching::{Envelope, Mailbox, PeerEnd};
 use crate::window::{GetTable, WindowTable};
 use bytes::Bytes;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::oneshot;
@@ -52,6 +52,9 @@ pub(super) struct Inner {
     pub(super) err_lock: Mutex<()>,
     pub(super) closed: AtomicBool,
     pub(super) shutdown: AtomicBool,
+    /// Application threads polling the completion queue themselves (between
+    /// `poll_begin` and `poll_end`); the progress thread stands aside meanwhile.
+    pub(super) pollers: AtomicUsize,
 }
 
 impl Inner {
@@ -84,6 +87,26 @@ impl Inner {
             }
             self.ofi_err(who, e)
         })
+    }
+
+    /// Sends an eager data message: injected when it fits the provider's inject size
+    /// and nothing waits in the backlog (no completion to wait for, which is most of a
+    /// small message's cost), else posted like any other.
+    fn post_data(&self, dst: Rank, to: To, msg: &Msg, payload: &[u8], done: SendDone) -> Result<(), TransportError> {
+        if !self.ops.backlogged() {
+            let wire = msg.encode(to.token, payload);
+            if wire.len() <= self.attrs.inject_size {
+                match self.ep.tinject(&wire, to.fi_addr, super::wire::TAG) {
+                    Ok(Posted::Yes) => {
+                        let _ = done.send(Ok(()));
+                        return Ok(());
+                    }
+                    Ok(Posted::Again) => {}
+                    Err(e) => return Err(self.ofi_err(dst, e)),
+                }
+            }
+        }
+        self.post_msg(Some(dst), to, msg, payload, Some(done))
     }
 
     /// Sends a control message, logging a failure (the sender does not wait for it).
@@ -168,7 +191,7 @@ impl Inner {
                 return Err(TransportError::PeerLost(dst));
             };
             match &rendezvous {
-                None => self.post_msg(Some(dst), to, &Msg::Data { head, ctx, tag }, &payload, Some(tx)),
+                None => self.post_data(dst, to, &Msg::Data { head, ctx, tag }, &payload, tx),
                 Some((id, region)) => {
                     let len = payload.len() as u64;
                     let rts = Msg::Rts { head, ctx, tag, len, id: *id, region: region.clone() };

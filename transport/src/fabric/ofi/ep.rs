@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 /// The outcome of posting an operation: posted, or the queue is full (retry later).
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum Posted {
+pub(in crate::fabric) enum Posted {
     /// The operation will complete through the CQ.
     Yes,
     /// `FI_EAGAIN`: retry after progress.
@@ -85,6 +85,15 @@ impl Ep {
     ) -> Result<Posted, OfiError> {
         // SAFETY: forwarded to the caller.
         posted("fi_tsend", unsafe { sys::fi_tsend(self.0, buf.cast(), len, desc, dest, tag, ctx) })
+    }
+
+    /// Sends a small tagged message that the provider copies before returning
+    /// (`fi_tinject`): no completion is generated and `buf` is free again at once.
+    /// `buf` must be at most the provider's inject size.
+    pub(in crate::fabric) fn tinject(&self, buf: &[u8], dest: u64, tag: u64) -> Result<Posted, OfiError> {
+        // SAFETY: fi_tinject reads buf (valid for its length) before it returns and
+        // keeps no reference to it; it takes no context and writes no completion.
+        posted("fi_tinject", unsafe { sys::fi_tinject(self.0, buf.as_ptr().cast(), buf.len(), dest, tag) })
     }
 
     /// Posts a tagged receive of exactly `tag` from any source.

@@ -18,6 +18,8 @@ pub(in crate::fabric) struct Attrs {
     pub(in crate::fabric) mr_key_size: usize,
     /// Largest message or RMA transfer.
     pub(in crate::fabric) max_msg_size: usize,
+    /// Largest message the provider copies at once (`fi_tinject`).
+    pub(in crate::fabric) inject_size: usize,
     /// The address format (`FI_SOCKADDR_IN`, `FI_ADDR_STR`, ...).
     pub(in crate::fabric) addr_format: u32,
 }
@@ -103,6 +105,7 @@ impl Info {
                 mr_mode: (d.mr_mode as u32) & MR_MODES,
                 mr_key_size: d.mr_key_size,
                 max_msg_size: (*i.ep_attr).max_msg_size,
+                inject_size: (*i.tx_attr).inject_size,
                 addr_format: i.addr_format,
             }
         }

@@ -17,6 +17,7 @@ use crate::fabric::sys;
 use crate::ids::Rank;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::oneshot;
@@ -75,6 +76,10 @@ struct Waiting {
 pub(in crate::fabric) struct Ops {
     slots: Mutex<HashMap<usize, Slot>>,
     backlog: Mutex<VecDeque<Waiting>>,
+    /// Whether the backlog may hold posts: set under its lock when one is queued,
+    /// cleared under it when it empties, so polls skip the lock (and the clock) when
+    /// nothing waits.
+    queued: AtomicBool,
 }
 
 pub(in crate::fabric) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -149,6 +154,7 @@ impl Ops {
             }
         }
         backlog.push_back(Waiting { ctx, post, deadline });
+        self.queued.store(true, Ordering::Release);
         Ok(())
     }
 
@@ -176,10 +182,19 @@ impl Ops {
         }
     }
 
+    /// Whether posts wait in the backlog (a post now could overtake them).
+    pub(in crate::fabric) fn backlogged(&self) -> bool {
+        self.queued.load(Ordering::Acquire)
+    }
+
     /// Retries the backlog in order; fails posts past their deadline. Returns the
     /// operations that failed, with why.
-    pub(in crate::fabric) fn retry(&self, ep: &Ep, now: Instant) -> Vec<(Op, String)> {
+    pub(in crate::fabric) fn retry(&self, ep: &Ep) -> Vec<(Op, String)> {
         let mut failed = Vec::new();
+        if !self.queued.load(Ordering::Acquire) {
+            return failed;
+        }
+        let now = Instant::now();
         let mut backlog = lock(&self.backlog);
         while let Some(w) = backlog.front() {
             let (ctx, post, deadline) = (w.ctx, w.post, w.deadline);
@@ -195,6 +210,9 @@ impl Ops {
                     failed.push((op, why));
                 }
             }
+        }
+        if backlog.is_empty() {
+            self.queued.store(false, Ordering::Release);
         }
         failed
     }
