@@ -37,6 +37,12 @@ struct Args {
     /// the job with `ductile resize`; bound it with `ductile run --timeout`).
     #[arg(long, default_value_t = 0, value_name = "K")]
     until_changes: u64,
+    /// Also register a constant table of this many MiB that the solver does not read
+    /// (geometry, a lookup table): with `ductile run --background` it moves while the
+    /// solver computes, which is how the slowdown ω of overlapped iterations is
+    /// measured. Every element is checked at the end.
+    #[arg(long, default_value_t = 0, value_name = "MIB")]
+    table_mib: u64,
     /// Ask for this many processes at the first checkpoint (an evolving job).
     #[arg(long, value_name = "P")]
     ask: Option<u32>,
@@ -58,8 +64,14 @@ fn initial(g: u64, n: u64) -> f64 {
     bump + step
 }
 
-/// One Jacobi sweep over this rank's block `u` (global elements `start..start+len`).
-fn sweep(world: &Group, u: &mut [f64], start: u64, n: u64) -> ductile::Result<()> {
+/// The diffusion coefficient of every point (all 0.25: the constant item `k` is as large
+/// as the rod, so it has a realistic share of the data to move, without changing the
+/// numbers).
+const K: f64 = 0.25;
+
+/// One Jacobi sweep over this rank's block `u` (global elements `start..start+len`) with
+/// coefficients `k`; returns the new block.
+fn sweep(world: &Group, u: &[f64], k: &[f64], start: u64, n: u64) -> ductile::Result<Vec<f64>> {
     let (r, p) = (world.rank(), world.size());
     if r > 0 {
         world.send(r - 1, TAG_TO_LEFT, &u[..1])?;
@@ -69,18 +81,44 @@ fn sweep(world: &Group, u: &mut [f64], start: u64, n: u64) -> ductile::Result<()
     }
     let left = if r > 0 { world.recv::<f64>(Some(r - 1), Some(TAG_TO_RIGHT))?.0[0] } else { 0.0 };
     let right = if r + 1 < p { world.recv::<f64>(Some(r + 1), Some(TAG_TO_LEFT))?.0[0] } else { 0.0 };
-    let old = u.to_vec();
-    let last = old.len() - 1;
-    for (i, v) in u.iter_mut().enumerate() {
+    let mut new = u.to_vec();
+    let last = u.len() - 1;
+    for (i, v) in new.iter_mut().enumerate() {
         let g = start + i as u64;
         if g == 0 || g == n - 1 {
             continue;
         }
-        let l = if i == 0 { left } else { old[i - 1] };
-        let rr = if i == last { right } else { old[i + 1] };
-        *v = old[i] + 0.25 * (l - 2.0 * old[i] + rr);
+        let l = if i == 0 { left } else { u[i - 1] };
+        let rr = if i == last { right } else { u[i + 1] };
+        *v = u[i] + k[i] * (l - 2.0 * u[i] + rr);
     }
-    Ok(())
+    Ok(new)
+}
+
+/// Durations of the latest iterations, with when each ended.
+#[derive(Default)]
+struct Timeline(std::collections::VecDeque<(Instant, Duration)>);
+
+impl Timeline {
+    const KEEP: usize = 4096;
+
+    fn push(&mut self, end: Instant, took: Duration) {
+        if self.0.len() == Self::KEEP {
+            self.0.pop_front();
+        }
+        self.0.push_back((end, took));
+    }
+
+    /// Iterations that ended during `(from, to]`, and the slowdown ω of their mean
+    /// duration over the mean of the (up to 20) iterations that ended before `from`.
+    fn overlap(&self, from: Instant, to: Instant) -> (usize, f64) {
+        let mean = |d: &[Duration]| d.iter().map(Duration::as_secs_f64).sum::<f64>() / d.len().max(1) as f64;
+        let during: Vec<Duration> = self.0.iter().filter(|(e, _)| *e > from && *e <= to).map(|x| x.1).collect();
+        let before: Vec<Duration> = self.0.iter().filter(|(e, _)| *e <= from).map(|x| x.1).collect();
+        let before = &before[before.len().saturating_sub(20)..];
+        let omega = if before.is_empty() || during.is_empty() { f64::NAN } else { mean(&during) / mean(before) };
+        (during.len(), omega)
+    }
 }
 
 fn hold(s: &Session, dir: &Path) -> anyhow::Result<()> {
@@ -115,19 +153,31 @@ fn main() -> anyhow::Result<()> {
     } else {
         let r = s.world();
         let range = ductile::block_range(n, r.size() as u32, r.rank() as u32);
+        let k = vec![K; (range.end - range.start) as usize];
         let block: Vec<f64> = range.map(|g| initial(g, n)).collect();
         s.distribute("u", n, &block)?;
+        s.distribute_constant("k", n, &k)?;
+        if args.table_mib > 0 {
+            let len = args.table_mib << 17;
+            let part = ductile::block_range(len, s.world().size() as u32, s.world().rank() as u32);
+            s.distribute_constant("table", len, &part.collect::<Vec<u64>>())?;
+        }
         s.replicate("iter", &0u64)?;
         0
     };
     let started = Instant::now();
+    let mut timeline = Timeline::default();
     // The epoch counts the changes so far, in old and new processes alike.
     while it < args.iters || s.epoch() < args.until_changes {
+        let t_iter = Instant::now();
         let world = s.world().clone();
         let start = s.block_range("u")?.start;
-        sweep(&world, s.block_mut::<f64>("u")?, start, n)?;
+        let new = sweep(&world, s.block::<f64>("u")?, s.block::<f64>("k")?, start, n)?;
+        s.block_mut::<f64>("u")?.copy_from_slice(&new);
+        drop(new);
         it += 1;
         if !it.is_multiple_of(args.every) || (it == args.iters && s.epoch() >= args.until_changes) {
+            timeline.push(Instant::now(), t_iter.elapsed());
             continue;
         }
         if it >= args.iters {
@@ -140,6 +190,7 @@ fn main() -> anyhow::Result<()> {
         }
         let before = s.world().size();
         let cp = if args.background { s.checkpoint_background()? } else { s.checkpoint()? };
+        timeline.push(Instant::now(), t_iter.elapsed());
         match cp {
             Checkpoint::Released(_) => return Ok(s.finalize()?),
             Checkpoint::Resized(r) => {
@@ -154,12 +205,26 @@ fn main() -> anyhow::Result<()> {
                         r.new_size,
                         s.info().nodes
                     );
+                    if let Some((from, to)) = r.overlap {
+                        let (during, omega) = timeline.overlap(from, to);
+                        println!(
+                            "jacobi: change {}: constant data moved in {:.1} ms while {during} iterations ran, omega {omega:.2}",
+                            r.seq,
+                            to.duration_since(from).as_secs_f64() * 1e3
+                        );
+                    }
                 }
                 if let Some(dir) = &args.hold {
                     hold(&s, dir)?;
                 }
             }
             _ => {}
+        }
+    }
+    if args.table_mib > 0 {
+        let range = s.block_range("table")?;
+        if let Some(i) = s.block::<u64>("table")?.iter().zip(range).position(|(v, g)| *v != g) {
+            bail!("table element {} is wrong after the changes", s.block_range("table")?.start + i as u64);
         }
     }
     let mine: u64 = s.block::<f64>("u")?.iter().fold(0u64, |a, v| a.wrapping_add(v.to_bits()));

@@ -10,6 +10,7 @@
 //!
 //! ```text
 //! ductile run --nodes 1 --policy steps:2,1,3 --redistribution rma -- target/release/examples/redist --changes 3
+//! ductile run --nodes 1 --policy steps:2,1,3 --background -- target/release/examples/redist --changes 3 --background
 //! ```
 
 use anyhow::{bail, Context};
@@ -30,6 +31,10 @@ struct Args {
     /// Fault injection: this rank registers one more element of "odd" than the others.
     #[arg(long, value_name = "RANK")]
     mismatch: Option<usize>,
+    /// Background checkpoints; "odd" and "large" are registered constant, so under
+    /// `ductile run --background` they move while the processes keep checkpointing.
+    #[arg(long)]
+    background: bool,
 }
 
 /// The value of element `g` of item `seed`, as 64 bits.
@@ -53,29 +58,37 @@ fn register(s: &mut Session, args: &Args) -> anyhow::Result<()> {
         match name {
             "bytes" => {
                 let block: Vec<u8> = range.map(|g| value(seed, g) as u8).collect();
-                if args.per_item {
-                    s.distribute_by(name, global, &block, method)?;
-                } else {
-                    s.distribute(name, global, &block)?;
-                }
+                add(s, args, name, global, &block, method)?;
             }
             "odd" => {
                 let block: Vec<f64> = range.map(|g| f64::from_bits(value(seed, g))).collect();
-                if args.per_item {
-                    s.distribute_by(name, global, &block, method)?;
-                } else {
-                    s.distribute(name, global, &block)?;
-                }
+                add(s, args, name, global, &block, method)?;
             }
             _ => {
                 let block: Vec<u64> = range.map(|g| value(seed, g)).collect();
-                if args.per_item {
-                    s.distribute_by(name, global, &block, method)?;
-                } else {
-                    s.distribute(name, global, &block)?;
-                }
+                add(s, args, name, global, &block, method)?;
             }
         }
+    }
+    Ok(())
+}
+
+/// Registers one item: by its own method with `--per-item`, constant if it is "odd"
+/// or "large" with `--background`.
+fn add<T: ductile::bytemuck::Pod>(
+    s: &mut Session,
+    args: &Args,
+    name: &str,
+    global: u64,
+    block: &[T],
+    method: Method,
+) -> anyhow::Result<()> {
+    let constant = args.background && (name == "odd" || name == "large");
+    match (constant, args.per_item) {
+        (true, true) => s.distribute_constant_by(name, global, block, method)?,
+        (true, false) => s.distribute_constant(name, global, block)?,
+        (false, true) => s.distribute_by(name, global, block, method)?,
+        (false, false) => s.distribute(name, global, block)?,
     }
     Ok(())
 }
@@ -114,8 +127,15 @@ fn main() -> anyhow::Result<()> {
     } else {
         register(&mut s, &args)?;
     }
+    let mut overlapped = 0u64;
     while s.epoch() < args.changes {
-        match s.checkpoint()? {
+        let cp = if args.background { s.checkpoint_background()? } else { s.checkpoint()? };
+        if s.moving() {
+            // The constant items are on their way; the old ones stay readable.
+            verify(&s, &args).context("while constant items move")?;
+            overlapped += 1;
+        }
+        match cp {
             Checkpoint::Released(_) => return Ok(s.finalize()?),
             Checkpoint::Resized(r) => {
                 verify(&s, &args)
@@ -129,6 +149,9 @@ fn main() -> anyhow::Result<()> {
     }
     if s.world().rank() == 0 {
         println!("redist: {} changes by {}, every element intact", s.epoch(), s.redistribution());
+        if args.background {
+            println!("redist: {overlapped} checkpoints passed while constant items moved");
+        }
     }
     Ok(s.finalize()?)
 }

@@ -94,6 +94,13 @@ fn jacobi_gives_the_rigid_checksum_through_every_kind_of_resize() {
             &["--background"],
             &[("grow", 1, 8), ("shrink", 8, 2)],
         ),
+        // Background redistribution: the constant coefficients move while the solver
+        // computes, the solution at the switch.
+        (
+            &["-n", "2", "--slots", "1", "--max-nodes", "4", "--policy", "steps:4,1,3", "--background"],
+            &["--background"],
+            &[("grow", 2, 4), ("shrink", 4, 1), ("grow", 1, 3)],
+        ),
     ];
     for (i, (opts, extra, want)) in cases.iter().enumerate() {
         let (sum, report) = jacobi(opts, extra, &format!("malleable-{i}.json"));
@@ -111,6 +118,8 @@ fn jacobi_gives_the_rigid_checksum_through_every_kind_of_resize() {
             if r["kind"] == "grow" {
                 assert!(p["spawn"].as_f64().unwrap() > 0.0, "{r}");
             }
+            // With --background the constant item moved in the background, and only then.
+            assert_eq!(p["background"].as_f64().unwrap() > 0.0, opts.contains(&"--background"), "{r}");
         }
     }
 }

@@ -12,12 +12,20 @@ use common::{assert_no_survivors, ex, read_report, run, tmp};
 const CIRCUIT: [u32; 20] = [2, 1, 3, 1, 4, 1, 8, 2, 3, 2, 4, 2, 8, 3, 4, 3, 8, 4, 8, 1];
 
 fn redist_job(method: &str, extra: &[&str], name: &str) -> serde_json::Value {
+    redist_job_with(method, &[], extra, name).0
+}
+
+/// Runs the circuit under `ductile run JOB_EXTRA ... -- redist EXTRA`; returns the
+/// report and the job's output.
+fn redist_job_with(method: &str, job_extra: &[&str], extra: &[&str], name: &str) -> (serde_json::Value, String) {
     let report = tmp(name);
     let steps = format!("steps:{}", CIRCUIT.map(|n| n.to_string()).join(","));
     let changes = CIRCUIT.len().to_string();
     let prog = ex("redist");
     let mut args = vec!["run", "--timeout", "240", "--report", report.to_str().unwrap(), "--nodes", "1"];
-    args.extend(["--slots", "1", "--max-nodes", "8", "--policy", &steps, "--redistribution", method, "--"]);
+    args.extend(["--slots", "1", "--max-nodes", "8", "--policy", &steps, "--redistribution", method]);
+    args.extend(job_extra);
+    args.push("--");
     args.extend([prog.as_str(), "--changes", &changes]);
     args.extend(extra);
     let out = run(&args);
@@ -27,7 +35,7 @@ fn redist_job(method: &str, extra: &[&str], name: &str) -> serde_json::Value {
     assert_no_survivors(&report);
     let v = read_report(&report);
     let _ = std::fs::remove_file(report);
-    v
+    (v, text.into_owned())
 }
 
 /// The (processes before, processes after) of every change in a report.
@@ -60,6 +68,45 @@ fn p2p_moves_every_element_for_every_size_pair() {
 #[test]
 fn rma_moves_every_element_for_every_size_pair() {
     check_every_pair("rma", &[]);
+}
+
+/// The circuit with `--background`: the constant items move while the processes keep
+/// checkpointing, the variable ones at the switch; every element is checked after every
+/// change and while the constant items move.
+fn check_every_pair_in_background(method: &str, extra: &[&str]) {
+    let mut prog = vec!["--background"];
+    prog.extend(extra);
+    let (report, text) = redist_job_with(method, &["--background"], &prog, &format!("redist-bg-{method}.json"));
+    let mut want = vec![(1u64, u64::from(CIRCUIT[0]))];
+    want.extend(CIRCUIT.windows(2).map(|w| (u64::from(w[0]), u64::from(w[1]))));
+    assert_eq!(pairs(&report), want);
+    // Every change returned at least one pending checkpoint while its move ran.
+    let overlapped: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("redist: ")?.strip_suffix(" checkpoints passed while constant items moved"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no overlap count: {text}"));
+    assert!(overlapped >= CIRCUIT.len() as u64, "{overlapped} overlapped checkpoints: {text}");
+}
+
+#[test]
+fn collective_in_the_background_moves_every_element_for_every_size_pair() {
+    check_every_pair_in_background("collective", &[]);
+}
+
+#[test]
+fn p2p_in_the_background_moves_every_element_for_every_size_pair() {
+    check_every_pair_in_background("p2p", &[]);
+}
+
+#[test]
+fn rma_in_the_background_moves_every_element_for_every_size_pair() {
+    check_every_pair_in_background("rma", &[]);
+}
+
+#[test]
+fn items_moved_by_their_own_methods_in_the_background() {
+    check_every_pair_in_background("p2p", &["--per-item"]);
 }
 
 #[test]

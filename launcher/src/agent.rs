@@ -179,6 +179,7 @@ async fn start_ranks(h: &AgentHandoff) -> anyhow::Result<NodeWorld> {
             timeout_ms: h.timeout_ms,
             joining: h.joining.is_some(),
             redistribution: h.redistribution,
+            background: h.background,
         };
         // A rank that is not a ductile program never reads this; the write still
         // succeeds into the socket buffer, and the wait for readiness reports it.

@@ -81,6 +81,10 @@ pub struct RunArgs {
     /// (rma).
     #[arg(long, value_name = "METHOD", default_value = "p2p", value_parser = parse_method)]
     pub redistribution: ductile::Method,
+    /// Move constant registered items in the background: at a background checkpoint
+    /// the application computes on while they travel, and switches at a later one.
+    #[arg(long)]
+    pub background: bool,
     /// Transport between ranks: tcp, quic (TLS 1.3) or fabric (libfabric).
     #[arg(long, default_value = "tcp", value_parser = parse_transport)]
     pub transport: String,
@@ -249,6 +253,7 @@ impl RunArgs {
             },
             report: self.report,
             redistribution: self.redistribution,
+            background: self.background,
         })
     }
 }

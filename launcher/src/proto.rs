@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// Version of the agent handoff.
-pub const AGENT_VERSION: u32 = 3;
+pub const AGENT_VERSION: u32 = 4;
 
 /// Everything an agent needs to start its node world.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -31,6 +31,8 @@ pub struct AgentHandoff {
     pub transport: TransportSpec,
     /// How registered data moves at a change.
     pub redistribution: ductile::Method,
+    /// Constant items move in the background (`--background`).
+    pub background: bool,
     /// Timeout of every wait inside ranks, ms.
     pub timeout_ms: u64,
     /// Time each rank (and each node world this agent starts) has to come up, ms.

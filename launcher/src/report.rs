@@ -31,8 +31,11 @@ pub struct Phases {
     pub spawn: f64,
     /// Installing the new membership in the ranks and handing over replicated state.
     pub connect: f64,
-    /// Moving registered data (the slowest process).
+    /// Moving registered data (the slowest process); with `--background`, the part at
+    /// the switch.
     pub redistribute: f64,
+    /// With `--background`: moving the constant items while the application computed.
+    pub background: f64,
     /// From the switch until every released process and agent is gone (shrink).
     pub release: f64,
     /// From the checkpoint reaching the controller to the end of the change.

@@ -20,7 +20,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 
 /// Version of the handoff; a rank refuses a handoff of another version.
-pub const HANDOFF_VERSION: u32 = 3;
+pub const HANDOFF_VERSION: u32 = 4;
 /// The file descriptor the control channel is passed as.
 pub const CONTROL_FD: i32 = 3;
 /// Environment variable naming the control channel's descriptor.
@@ -49,6 +49,8 @@ pub struct RankHandoff {
     pub joining: bool,
     /// How registered data moves at a change (`--redistribution`).
     pub redistribution: crate::Method,
+    /// Constant registered items move in the background (`--background`).
+    pub background: bool,
 }
 
 /// Which transport backend a job uses, and its settings.
@@ -143,8 +145,12 @@ pub enum ToRank {
 pub struct SwitchTimes {
     /// Installing the new membership and handing the replicated state to new processes.
     pub connect_us: u64,
-    /// Moving the registered data.
+    /// Moving the registered data (with `--background`: the variable items, at the
+    /// switch).
     pub redistribute_us: u64,
+    /// With `--background`: moving the constant items while the application computed,
+    /// from the decision until the last old rank saw the move finish (0 otherwise).
+    pub background_us: u64,
 }
 
 /// Messages from a rank to its agent.
@@ -333,6 +339,7 @@ mod tests {
             timeout_ms: 1000,
             joining: false,
             redistribution: crate::Method::Rma,
+            background: true,
         };
         let bytes = encode(&ToRank::Handoff(h)).unwrap();
         let back: ToRank = read_msg(&mut &bytes[..]).unwrap();

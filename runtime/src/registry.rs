@@ -31,7 +31,7 @@ const REGISTRY_DONE_TAG: u32 = Tag::RESERVED_BASE | (0x21 << 24);
 
 /// Bytes with 8-byte alignment.
 #[derive(Clone, Debug, Default)]
-struct Aligned {
+pub(crate) struct Aligned {
     words: Vec<u64>,
     len: usize,
 }
@@ -65,8 +65,18 @@ impl Aligned {
 /// What the manifest says of one item.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 enum Kind {
-    Distributed { global: u64, elem: u32, type_name: String, method: Option<Method> },
-    Replicated { value: Vec<u8> },
+    /// `constant`: the application does not change it between changes, so it may move
+    /// in the background while the application computes.
+    Distributed {
+        global: u64,
+        elem: u32,
+        type_name: String,
+        method: Option<Method>,
+        constant: bool,
+    },
+    Replicated {
+        value: Vec<u8>,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -85,7 +95,13 @@ pub(crate) struct Registry {
     entries: Vec<Entry>,
     /// Blocks of the distributed entries, by entry index (empty for replicated ones).
     blocks: Vec<Aligned>,
+    /// Old blocks of constant items moving in the background: shared with the moves
+    /// (no copy) and still readable by the application, not writable.
+    moving: Vec<Option<Bytes>>,
 }
+
+/// New blocks of the constant items a background move produced, by entry index.
+pub(crate) type Moved = Vec<(usize, Aligned)>;
 
 /// Where a process stands in a change: its old and new part numbers.
 #[derive(Clone, Copy, Debug)]
@@ -118,6 +134,7 @@ impl Registry {
         part: (u32, u32),
         block: &[T],
         method: Option<Method>,
+        constant: bool,
     ) -> Result<()> {
         self.absent(name)?;
         let (elem, align) = (std::mem::size_of::<T>(), std::mem::align_of::<T>());
@@ -146,9 +163,11 @@ impl Registry {
                 elem: u32::try_from(elem).map_err(|_| Error::Invalid("element too large".into()))?,
                 type_name: std::any::type_name::<T>().to_owned(),
                 method,
+                constant,
             },
         });
         self.blocks.push(Aligned::from_bytes(bytemuck::cast_slice(block)));
+        self.moving.push(None);
         Ok(())
     }
 
@@ -160,6 +179,7 @@ impl Registry {
             None => {
                 self.entries.push(Entry { name: name.to_owned(), kind: Kind::Replicated { value } });
                 self.blocks.push(Aligned::default());
+                self.moving.push(None);
             }
         }
         Ok(())
@@ -187,12 +207,24 @@ impl Registry {
 
     pub(crate) fn block<T: Pod>(&self, name: &str) -> Result<&[T]> {
         let i = self.typed::<T>(name)?;
-        Ok(bytemuck::cast_slice(self.blocks[i].bytes()))
+        let bytes = self.moving[i].as_deref().unwrap_or_else(|| self.blocks[i].bytes());
+        // Both kinds of storage start 8-byte aligned (an `Aligned`, maybe shared).
+        bytemuck::try_cast_slice(bytes).map_err(|e| Error::Invalid(format!("{name:?}: {e}")))
     }
 
     pub(crate) fn block_mut<T: Pod>(&mut self, name: &str) -> Result<&mut [T]> {
         let i = self.typed::<T>(name)?;
+        if self.moving[i].is_some() {
+            return Err(Error::Invalid(format!(
+                "{name:?} is constant and moving in the background; it cannot be written until the change completes"
+            )));
+        }
         Ok(bytemuck::cast_slice_mut(self.blocks[i].bytes_mut()))
+    }
+
+    /// Whether any constant distributed item is registered.
+    pub(crate) fn has_constant(&self) -> bool {
+        self.entries.iter().any(|e| matches!(e.kind, Kind::Distributed { constant: true, .. }))
     }
 
     pub(crate) fn global_len(&self, name: &str) -> Result<u64> {
@@ -204,8 +236,14 @@ impl Registry {
 
     pub(crate) fn unregister(&mut self, name: &str) -> Result<()> {
         let i = self.find(name)?;
+        if self.moving[i].is_some() {
+            return Err(Error::Invalid(format!(
+                "{name:?} is moving in the background; unregister it after the change"
+            )));
+        }
         self.entries.remove(i);
         self.blocks.remove(i);
+        self.moving.remove(i);
         Ok(())
     }
 
@@ -218,13 +256,21 @@ impl Registry {
     pub(crate) fn adopt(&mut self, m: Manifest, joined: bool) -> Result<()> {
         if joined {
             self.blocks = vec![Aligned::default(); m.0.len()];
+            self.moving = vec![None; m.0.len()];
             self.entries = m.0;
             return Ok(());
         }
+        self.refresh(m)
+    }
+
+    /// Takes the replicated values of the old rank 0's manifest, checking that it
+    /// describes the same items; blocks are untouched.
+    pub(crate) fn refresh(&mut self, m: Manifest) -> Result<()> {
         let shape = |e: &Entry| match &e.kind {
-            Kind::Distributed { global, elem, type_name, method } => {
+            Kind::Distributed { global, elem, type_name, method, constant } => {
                 let by = method.map_or_else(|| "the job's method".to_string(), |m| m.to_string());
-                format!("{}: {global} x {type_name} ({elem} B, moved by {by})", e.name)
+                let c = if *constant { "constant, " } else { "" };
+                format!("{}: {global} x {type_name} ({elem} B, {c}moved by {by})", e.name)
             }
             Kind::Replicated { .. } => format!("{}: replicated", e.name),
         };
@@ -241,10 +287,12 @@ impl Registry {
         Ok(())
     }
 
-    /// Moves every distributed item from the old blocks to the new ones over the
+    /// Moves the distributed items from the old blocks to the new ones over the
     /// transition group `t`, whose members `0..old_n` are the old ranks in order;
     /// `new_pos[k]` is the new rank of transition member `k`, if it stays. Each item
     /// travels by its own method if it was registered with one, else by `method`.
+    /// With `variable_only`, constant items (which moved in the background) are
+    /// skipped.
     ///
     /// # Collective
     /// Over the transition group.
@@ -254,43 +302,123 @@ impl Registry {
         parts: Parts,
         new_pos: &[Option<u32>],
         method: Method,
+        variable_only: bool,
     ) -> Result<()> {
-        let me = t.rank();
-        let my_new = new_pos.get(me).copied().flatten();
-        // Transition member of each new rank.
+        let plan = Plan::new(parts, new_pos, t.rank());
+        for i in 0..self.entries.len() {
+            let Some((global, elem, own)) = self.distributed(i) else { continue };
+            if variable_only && matches!(self.entries[i].kind, Kind::Distributed { constant: true, .. }) {
+                continue;
+            }
+            // The old block is handed to the transport as it is, without a copy.
+            let old = Bytes::from_owner(std::mem::take(&mut self.blocks[i]));
+            self.blocks[i] = plan.run(t, i, global, elem, own.unwrap_or(method), old).await?;
+        }
+        Ok(())
+    }
+
+    /// Starts moving the constant items in the background over `t` (a group of the
+    /// transition's members with a context of its own): their old blocks stay readable
+    /// until [`Registry::install`] takes the new ones. Returns what the task needs.
+    pub(crate) fn start_background(
+        &mut self,
+        t: AsyncGroup,
+        parts: Parts,
+        new_pos: &[Option<u32>],
+        method: Method,
+    ) -> impl std::future::Future<Output = Result<Moved>> + Send + 'static {
+        let plan = Plan::new(parts, new_pos, t.rank());
+        let mut work = Vec::new();
+        for i in 0..self.entries.len() {
+            let Some((global, elem, own)) = self.distributed(i) else { continue };
+            if !matches!(self.entries[i].kind, Kind::Distributed { constant: true, .. }) {
+                continue;
+            }
+            let old = Bytes::from_owner(std::mem::take(&mut self.blocks[i]));
+            self.moving[i] = Some(old.clone());
+            work.push((i, global, elem, own.unwrap_or(method), old));
+        }
+        async move {
+            let mut moved = Vec::with_capacity(work.len());
+            for (i, global, elem, method, old) in work {
+                moved.push((i, plan.run(&t, i, global, elem, method, old).await?));
+            }
+            Ok(moved)
+        }
+    }
+
+    /// Installs the new blocks of a finished background move.
+    pub(crate) fn install(&mut self, moved: Moved) {
+        for (i, block) in moved {
+            self.blocks[i] = block;
+            self.moving[i] = None;
+        }
+    }
+
+    /// Abandons a background move: the constant items keep their old blocks.
+    pub(crate) fn abandon_background(&mut self) {
+        for i in 0..self.moving.len() {
+            if let Some(old) = self.moving[i].take() {
+                self.blocks[i] = Aligned::from_bytes(&old);
+            }
+        }
+    }
+
+    fn distributed(&self, i: usize) -> Option<(u64, u64, Option<Method>)> {
+        match &self.entries[i].kind {
+            Kind::Distributed { global, elem, method, .. } => Some((*global, u64::from(*elem), *method)),
+            Kind::Replicated { .. } => None,
+        }
+    }
+}
+
+/// Where this member stands in a change, for every item's move.
+struct Plan {
+    parts: Parts,
+    my_new: Option<u32>,
+    /// Transition member of each new rank.
+    member_of_new: Vec<usize>,
+}
+
+impl Plan {
+    fn new(parts: Parts, new_pos: &[Option<u32>], me: usize) -> Self {
         let mut member_of_new = vec![0usize; parts.new_n as usize];
         for (k, p) in new_pos.iter().enumerate() {
             if let Some(slot) = p.and_then(|p| member_of_new.get_mut(p as usize)) {
                 *slot = k;
             }
         }
-        for i in 0..self.entries.len() {
-            let (global, elem, own_method) = match &self.entries[i].kind {
-                Kind::Distributed { global, elem, method, .. } => (*global, u64::from(*elem), *method),
-                Kind::Replicated { .. } => continue,
-            };
-            let index = i as u32 & 0x00ff_ffff;
-            let mv = Move {
-                t,
-                global,
-                elem,
-                old_n: parts.old_n,
-                new_n: parts.new_n,
-                member_of_new: &member_of_new,
-                my_new,
-                tag: Tag(REGISTRY_TAG | index),
-                done_tag: Tag(REGISTRY_DONE_TAG | index),
-            };
-            // The old block is handed to the transport as it is, without a copy.
-            let old = Bytes::from_owner(std::mem::take(&mut self.blocks[i]));
-            let mut block = my_new.map(|n| {
-                let r = block_range(global, parts.new_n, n);
-                Aligned::zeroed(usize::try_from((r.end - r.start) * elem).unwrap_or(usize::MAX))
-            });
-            mv.run(own_method.unwrap_or(method), old, block.as_mut().map(Aligned::bytes_mut)).await?;
-            self.blocks[i] = block.unwrap_or_default();
-        }
-        Ok(())
+        Self { parts, my_new: new_pos.get(me).copied().flatten(), member_of_new }
+    }
+
+    /// Moves item `i` from `old` (this member's old block) and returns its new block.
+    async fn run(
+        &self,
+        t: &AsyncGroup,
+        i: usize,
+        global: u64,
+        elem: u64,
+        method: Method,
+        old: Bytes,
+    ) -> Result<Aligned> {
+        let index = i as u32 & 0x00ff_ffff;
+        let mv = Move {
+            t,
+            global,
+            elem,
+            old_n: self.parts.old_n,
+            new_n: self.parts.new_n,
+            member_of_new: &self.member_of_new,
+            my_new: self.my_new,
+            tag: Tag(REGISTRY_TAG | index),
+            done_tag: Tag(REGISTRY_DONE_TAG | index),
+        };
+        let mut block = self.my_new.map(|n| {
+            let r = block_range(global, self.parts.new_n, n);
+            Aligned::zeroed(usize::try_from((r.end - r.start) * elem).unwrap_or(usize::MAX))
+        });
+        mv.run(method, old, block.as_mut().map(Aligned::bytes_mut)).await?;
+        Ok(block.unwrap_or_default())
     }
 }
 
@@ -301,9 +429,9 @@ mod tests {
     #[test]
     fn registering_checks_blocks_types_and_names() {
         let mut r = Registry::default();
-        r.distribute::<f64>("u", 10, (1, 3), &[1.0, 2.0, 3.0], None).unwrap();
-        assert!(r.distribute::<f64>("v", 10, (1, 3), &[1.0], None).is_err());
-        assert!(r.distribute::<f64>("u", 10, (1, 3), &[1.0, 2.0, 3.0], None).is_err());
+        r.distribute::<f64>("u", 10, (1, 3), &[1.0, 2.0, 3.0], None, false).unwrap();
+        assert!(r.distribute::<f64>("v", 10, (1, 3), &[1.0], None, false).is_err());
+        assert!(r.distribute::<f64>("u", 10, (1, 3), &[1.0, 2.0, 3.0], None, false).is_err());
         assert_eq!(r.block::<f64>("u").unwrap(), &[1.0, 2.0, 3.0]);
         assert!(r.block::<u32>("u").is_err());
         r.block_mut::<f64>("u").unwrap()[0] = 7.0;
@@ -321,14 +449,14 @@ mod tests {
     #[test]
     fn adopt_refuses_a_different_registry() {
         let mut root = Registry::default();
-        root.distribute::<f64>("u", 4, (0, 1), &[0.0; 4], None).unwrap();
+        root.distribute::<f64>("u", 4, (0, 1), &[0.0; 4], None, false).unwrap();
         root.replicate("it", &3u32).unwrap();
         let mut other = Registry::default();
-        other.distribute::<f32>("u", 4, (0, 1), &[0.0; 4], None).unwrap();
+        other.distribute::<f32>("u", 4, (0, 1), &[0.0; 4], None, false).unwrap();
         other.replicate("it", &0u32).unwrap();
         assert!(matches!(other.adopt(root.manifest(), false), Err(Error::Reconfigure(_))));
         let mut same = Registry::default();
-        same.distribute::<f64>("u", 4, (0, 1), &[1.0; 4], None).unwrap();
+        same.distribute::<f64>("u", 4, (0, 1), &[1.0; 4], None, false).unwrap();
         same.replicate("it", &0u32).unwrap();
         same.adopt(root.manifest(), false).unwrap();
         assert_eq!(same.replicated::<u32>("it").unwrap(), 3);

@@ -65,6 +65,31 @@ pub struct Session {
     last_change: Option<(u32, Vec<u32>, Vec<u32>)>,
     /// The process left the group at a checkpoint.
     released: bool,
+    /// Constant items move in the background (`--background`).
+    background: bool,
+    /// A change whose constant items are moving in the background.
+    moving: Option<Moving>,
+}
+
+/// A change under way whose constant items move in the background; the application
+/// computes on in the old group until every old rank has seen the move finish.
+struct Moving {
+    change: Change,
+    prep: Prepared,
+    task: tokio::task::JoinHandle<Result<crate::registry::Moved>>,
+    started: Instant,
+    /// When this process first saw the task finished.
+    seen_done: Option<Instant>,
+}
+
+/// A change after the transition group agreed on the registry, before data moves.
+struct Prepared {
+    transition: Group,
+    tpos: usize,
+    members: Vec<Rank>,
+    new_pos: Vec<Option<u32>>,
+    parts: Parts,
+    connect: Duration,
 }
 
 static TAKEN: AtomicBool = AtomicBool::new(false);
@@ -80,6 +105,12 @@ fn world_context(epoch: u64) -> Context {
 
 fn transition_context(epoch: u64) -> Context {
     Context(TRANSITION_CTX | (epoch & EPOCH_CTX_MASK) as u32)
+}
+
+/// The context of a change's background moves: a transition context with the epoch's
+/// bit 29 flipped (epochs never get near 2^29).
+fn background_context(epoch: u64) -> Context {
+    Context(TRANSITION_CTX | ((epoch ^ (1 << 29)) & EPOCH_CTX_MASK) as u32)
 }
 
 /// The context of a group built from a process set: FNV-1a over the epoch and ranks,
@@ -140,6 +171,10 @@ pub struct Resize {
     /// (positions `0..old_size`), then the new processes in new rank order. Use it to
     /// move data the registry does not hold.
     pub transition: Group,
+    /// For a change whose constant items moved in the background while this process
+    /// computed (`--background`): when the move started and when this process saw it
+    /// finish. Iterations that ended in between overlapped it.
+    pub overlap: Option<(Instant, Instant)>,
 }
 
 impl Resize {
@@ -216,6 +251,7 @@ fn standalone(rt: Runtime, env: &EnvSettings) -> Result<Session> {
         timeout_ms: u64::try_from(env.timeout.as_millis()).unwrap_or(u64::MAX),
         joining: false,
         redistribution: Method::default(),
+        background: false,
     };
     let endpoint = bind(&rt, &h)?;
     let m = Membership {
@@ -377,6 +413,8 @@ impl Session {
             joined: None,
             last_change: None,
             released: false,
+            background: h.background,
+            moving: None,
         })
     }
 
@@ -461,6 +499,9 @@ impl Session {
     fn checkpoint_in(&mut self, mode: CheckpointMode) -> Result<Checkpoint> {
         self.in_group()?;
         self.count += 1;
+        if self.moving.is_some() {
+            return self.poll_moving(mode);
+        }
         let mut decision = if self.world.rank() == 0 { self.root_decision(mode)? } else { Decision::Continue };
         if self.world.size() > 1 {
             self.world.broadcast_value(0, &mut decision)?;
@@ -476,9 +517,56 @@ impl Session {
             }
             Decision::Change(c) => {
                 self.pending = false;
-                self.apply_change(c, false)
+                self.apply_change_in(c, false, mode)
             }
         }
+    }
+
+    /// At a checkpoint while constant items move: every old rank says whether it has
+    /// seen its part finish; once all have, the change completes. A blocking
+    /// checkpoint waits for the move first.
+    fn poll_moving(&mut self, mode: CheckpointMode) -> Result<Checkpoint> {
+        let Some(m) = self.moving.as_mut() else { return Ok(Checkpoint::Unchanged) };
+        if m.seen_done.is_none() && (mode == CheckpointMode::Blocking || m.task.is_finished()) {
+            m.seen_done = Some(Instant::now());
+        }
+        let done = u64::from(m.seen_done.is_some());
+        let all = self.world.allreduce(&[done], ReduceOp::Min);
+        match all {
+            Ok(v) if v[0] == 0 => Ok(Checkpoint::Pending),
+            Ok(_) => match self.moving.take() {
+                Some(m) => self.complete_moving(m),
+                None => Ok(Checkpoint::Unchanged),
+            },
+            Err(e) => {
+                if let Some(m) = self.moving.take() {
+                    m.task.abort();
+                }
+                self.registry.abandon_background();
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits for a background move (bounded by the group timeout), installs the new
+    /// blocks and completes its change.
+    fn complete_moving(&mut self, m: Moving) -> Result<Checkpoint> {
+        let Moving { change, prep, task, started, seen_done } = m;
+        let abort = task.abort_handle();
+        let moved = prep
+            .transition
+            .block(async { task.await.map_err(|e| Error::Reconfigure(format!("the background move stopped: {e}")))? });
+        let moved = match moved {
+            Ok(m) => m,
+            Err(e) => {
+                abort.abort();
+                self.registry.abandon_background();
+                return Err(e);
+            }
+        };
+        self.registry.install(moved);
+        let overlap = (started, seen_done.unwrap_or_else(Instant::now));
+        self.complete_change(change, prep, Some(overlap))
     }
 
     /// Rank 0's side: asks the controller (once per change) and reads its answer.
@@ -514,6 +602,42 @@ impl Session {
     /// registry's manifest and replicated state from the old rank 0 to everyone, moves
     /// the distributed items, and builds the new world.
     fn apply_change(&mut self, c: Change, joined: bool) -> Result<Checkpoint> {
+        self.apply_change_in(c, joined, CheckpointMode::Blocking)
+    }
+
+    /// As [`Session::apply_change`]; with `--background` and constant items, their move
+    /// starts first, and an old rank at a background checkpoint returns
+    /// [`Checkpoint::Pending`] and computes on while it runs.
+    fn apply_change_in(&mut self, c: Change, joined: bool, mode: CheckpointMode) -> Result<Checkpoint> {
+        let prep = self.prepare_change(&c, joined)?;
+        if !(self.background && self.registry.has_constant()) {
+            return self.complete_change(c, prep, None);
+        }
+        let epoch = c.after.epoch;
+        let rt = self.rt.as_ref().ok_or(Error::Invalid("session is closed".into()))?;
+        // The move runs in a group of its own context, so its messages never meet the
+        // transition group's collectives.
+        let g = AsyncGroup::new(
+            self.endpoint.clone(),
+            background_context(epoch),
+            prep.members.clone(),
+            prep.tpos,
+            self.timeout,
+        )?;
+        let work = self.registry.start_background(g, prep.parts, &prep.new_pos, self.method);
+        let task = rt.spawn(work);
+        let m = Moving { change: c, prep, task, started: Instant::now(), seen_done: None };
+        let old = m.prep.tpos < m.prep.parts.old_n as usize;
+        if old && mode == CheckpointMode::Background {
+            self.moving = Some(m);
+            return Ok(Checkpoint::Pending);
+        }
+        self.complete_moving(m)
+    }
+
+    /// The first half of a change: address table, transition group, the old rank 0's
+    /// registry checked on every member.
+    fn prepare_change(&mut self, c: &Change, joined: bool) -> Result<Prepared> {
         let t0 = Instant::now();
         let me = self.endpoint.rank();
         let epoch = c.after.epoch;
@@ -555,14 +679,40 @@ impl Session {
             self.count = c.checkpoint;
         }
         let connect = t0.elapsed();
-        let t1 = Instant::now();
         let new_pos: Vec<Option<u32>> =
             members.iter().map(|r| c.after.ranks.iter().position(|x| x == r).map(|p| p as u32)).collect();
         let parts = Parts { old_n: c.before.len() as u32, new_n: c.after.ranks.len() as u32 };
+        Ok(Prepared { transition, tpos, members, new_pos, parts, connect })
+    }
+
+    /// The second half: the (remaining) items move, the new world is built.
+    fn complete_change(
+        &mut self,
+        c: Change,
+        prep: Prepared,
+        overlap: Option<(Instant, Instant)>,
+    ) -> Result<Checkpoint> {
+        let Prepared { transition, tpos, members: _, new_pos, parts, connect } = prep;
+        let me = self.endpoint.rank();
+        let epoch = c.after.epoch;
+        if overlap.is_some() {
+            // Replicated state may have changed while the application computed on.
+            let mut manifest = if tpos == 0 { self.registry.manifest() } else { Manifest::default() };
+            transition.broadcast_value(0, &mut manifest)?;
+            self.registry.refresh(manifest)?;
+        }
+        let t1 = Instant::now();
         let registry = &mut self.registry;
-        transition.block(registry.redistribute(transition.core_async(), parts, &new_pos, self.method))?;
+        transition.block(registry.redistribute(
+            transition.core_async(),
+            parts,
+            &new_pos,
+            self.method,
+            overlap.is_some(),
+        ))?;
         let redistribute = t1.elapsed();
-        let times = transition.allreduce(&[micros(connect), micros(redistribute)], ReduceOp::Max)?;
+        let background = overlap.map_or(0, |(from, to)| micros(to.saturating_duration_since(from)));
+        let times = transition.allreduce(&[micros(connect), micros(redistribute), background], ReduceOp::Max)?;
         let old_size = c.before.len();
         let resize = Resize {
             seq: c.seq,
@@ -574,6 +724,7 @@ impl Session {
             mapping: new_pos[..old_size].iter().map(|p| p.map(|p| p as usize)).collect(),
             added: new_pos[old_size..].iter().filter_map(|p| p.map(|p| p as usize)).collect(),
             transition,
+            overlap,
         };
         let removed: Vec<u32> = (0..old_size as u32).filter(|&o| new_pos[o as usize].is_none()).collect();
         self.last_change = Some((c.seq, resize.added.iter().map(|&a| a as u32).collect(), removed));
@@ -588,7 +739,7 @@ impl Session {
         self.membership = c.after;
         if resize.new_rank == Some(0) {
             if let Some(ctl) = self.control.as_mut() {
-                let times = SwitchTimes { connect_us: times[0], redistribute_us: times[1] };
+                let times = SwitchTimes { connect_us: times[0], redistribute_us: times[1], background_us: times[2] };
                 bootstrap::write_msg(ctl, &FromRank::Switched { epoch, times }).map_err(control_err)?;
             }
         }
@@ -666,7 +817,7 @@ impl Session {
     /// alignment is above 8.
     pub fn distribute<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T]) -> Result<()> {
         let part = (self.world.rank() as u32, self.world.size() as u32);
-        self.registry.distribute(name, global_len, part, block, None)
+        self.registry.distribute(name, global_len, part, block, None, false)
     }
 
     /// Registers distributed data that always moves by `method`, whatever the job's
@@ -679,7 +830,48 @@ impl Session {
     /// As [`Session::distribute`].
     pub fn distribute_by<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T], method: Method) -> Result<()> {
         let part = (self.world.rank() as u32, self.world.size() as u32);
-        self.registry.distribute(name, global_len, part, block, Some(method))
+        self.registry.distribute(name, global_len, part, block, Some(method), false)
+    }
+
+    /// Registers distributed data that the application does not change (a matrix,
+    /// coefficients, a mesh): as [`Session::distribute`], and with `ductile run
+    /// --background` it moves while the application computes on at background
+    /// checkpoints. Writing its block while it moves is an error.
+    ///
+    /// # Local
+    /// As [`Session::distribute`].
+    ///
+    /// # Errors
+    /// As [`Session::distribute`].
+    pub fn distribute_constant<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T]) -> Result<()> {
+        let part = (self.world.rank() as u32, self.world.size() as u32);
+        self.registry.distribute(name, global_len, part, block, None, true)
+    }
+
+    /// [`Session::distribute_constant`] with its own method.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`Session::distribute`].
+    pub fn distribute_constant_by<T: Pod>(
+        &mut self,
+        name: &str,
+        global_len: u64,
+        block: &[T],
+        method: Method,
+    ) -> Result<()> {
+        let part = (self.world.rank() as u32, self.world.size() as u32);
+        self.registry.distribute(name, global_len, part, block, Some(method), true)
+    }
+
+    /// Whether constant items are moving in the background (the change completes at a
+    /// later checkpoint).
+    ///
+    /// # Local
+    #[must_use]
+    pub fn moving(&self) -> bool {
+        self.moving.is_some()
     }
 
     /// How registered data moves at a change unless an item says otherwise (the job's

@@ -68,6 +68,8 @@ pub struct JobSpec {
     pub report: Option<PathBuf>,
     /// How registered data moves at a change.
     pub redistribution: ductile::Method,
+    /// Constant items move in the background.
+    pub background: bool,
 }
 
 /// One node world, from the controller's side.
@@ -268,6 +270,7 @@ impl Ctl {
             args: self.spec.args.clone(),
             transport: self.spec.transport.clone(),
             redistribution: self.spec.redistribution,
+            background: self.spec.background,
             timeout_ms: u64::try_from(self.wait_timeout.as_millis()).unwrap_or(u64::MAX),
             join_timeout_ms: u64::try_from(self.fence_limit.as_millis()).unwrap_or(u64::MAX) / 5 * 4,
             tag_output: self.spec.tag_output,

@@ -475,6 +475,7 @@ impl Ctl {
                 spawn: f.t_gathered.map_or(0.0, |g| ms(g - f.t_decided)),
                 connect: f.times.connect_us as f64 / 1e3,
                 redistribute: f.times.redistribute_us as f64 / 1e3,
+                background: f.times.background_us as f64 / 1e3,
                 release: ms(now - switched),
                 total: ms(now - f.t_checkpoint),
             },
