@@ -35,6 +35,45 @@ struct Args {
     /// `ductile run --background` they move while the processes keep checkpointing.
     #[arg(long)]
     background: bool,
+    /// Check at every change that this process's peak memory grew by at most the new
+    /// blocks it receives plus 64 MiB (no whole-array copies). Linux only.
+    #[arg(long)]
+    check_memory: bool,
+    /// Fault injection: this rank aborts while constant items move (with
+    /// `--background`), in the middle of the first change.
+    #[arg(long, value_name = "RANK")]
+    die_while_moving: Option<usize>,
+}
+
+/// Headroom beyond the incoming blocks that a change may use.
+const MEMORY_SLACK: u64 = 64 << 20;
+
+/// Resets the peak resident size and returns the current one, in bytes.
+fn memory_mark() -> anyhow::Result<u64> {
+    std::fs::write("/proc/self/clear_refs", "5").context("resetting the peak RSS")?;
+    status_kib("VmRSS").map(|k| k << 10)
+}
+
+/// A `/proc/self/status` field in KiB.
+fn status_kib(field: &str) -> anyhow::Result<u64> {
+    let text = std::fs::read_to_string("/proc/self/status")?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':')?.trim().strip_suffix(" kB")?.parse().ok())
+        .with_context(|| format!("no {field} in /proc/self/status"))
+}
+
+/// Bytes of the blocks this process holds now.
+fn held_bytes(s: &Session, args: &Args) -> anyhow::Result<u64> {
+    let mut total = 0;
+    for (name, _) in item_names(args) {
+        let r = s.block_range(name)?;
+        let elem = match name {
+            "bytes" => 1,
+            _ => 8,
+        };
+        total += (r.end - r.start) * elem;
+    }
+    Ok(total)
 }
 
 /// The value of element `g` of item `seed`, as 64 bits.
@@ -128,8 +167,22 @@ fn main() -> anyhow::Result<()> {
         register(&mut s, &args)?;
     }
     let mut overlapped = 0u64;
+    let mut worst = 0u64;
     while s.epoch() < args.changes {
+        let mark = if args.check_memory && !s.moving() { Some(memory_mark()?) } else { None };
         let cp = if args.background { s.checkpoint_background()? } else { s.checkpoint()? };
+        if let (Some(rss0), Checkpoint::Resized(_) | Checkpoint::Released(_)) = (mark, &cp) {
+            let extra = (status_kib("VmHWM")? << 10).saturating_sub(rss0);
+            let incoming = if matches!(cp, Checkpoint::Released(_)) { 0 } else { held_bytes(&s, &args)? };
+            if extra > incoming + MEMORY_SLACK {
+                bail!("peak memory grew by {} MiB in a change that brought {} MiB", extra >> 20, incoming >> 20);
+            }
+            worst = worst.max(extra.saturating_sub(incoming));
+        }
+        if s.moving() && args.die_while_moving == Some(s.world().rank()) {
+            eprintln!("redist: rank {} aborts while constant items move", s.world().rank());
+            std::process::abort();
+        }
         if s.moving() {
             // The constant items are on their way; the old ones stay readable.
             verify(&s, &args).context("while constant items move")?;
@@ -151,6 +204,9 @@ fn main() -> anyhow::Result<()> {
         println!("redist: {} changes by {}, every element intact", s.epoch(), s.redistribution());
         if args.background {
             println!("redist: {overlapped} checkpoints passed while constant items moved");
+        }
+        if args.check_memory {
+            println!("redist: peak memory beyond the incoming blocks: {} MiB at most on rank 0", worst >> 20);
         }
     }
     Ok(s.finalize()?)

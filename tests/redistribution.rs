@@ -134,3 +134,90 @@ fn mismatched_registrations_fail_every_rank_with_the_reason() {
     assert_no_survivors(&report);
     let _ = std::fs::remove_file(report);
 }
+
+/// 256 MiB moved 2 -> 4 -> 1 -> 8 -> 2: every process checks that its peak memory grew
+/// by at most its incoming blocks plus 64 MiB at every change.
+fn check_memory(method: &str) {
+    let prog = ex("redist");
+    let args = [
+        "run",
+        "--timeout",
+        "240",
+        "-n",
+        "2",
+        "--slots",
+        "1",
+        "--max-nodes",
+        "8",
+        "--policy",
+        "steps:4,1,8,2",
+        "--redistribution",
+        method,
+        "--",
+        &prog,
+        "--changes",
+        "4",
+        "--check-memory",
+        "--large",
+        "33554432",
+    ];
+    let out = run(&args);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{method}: {}\n{text}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("peak memory beyond the incoming blocks"), "{text}");
+}
+
+#[test]
+fn collective_keeps_peak_memory_within_incoming_plus_64_mib() {
+    check_memory("collective");
+}
+
+#[test]
+fn p2p_keeps_peak_memory_within_incoming_plus_64_mib() {
+    check_memory("p2p");
+}
+
+#[test]
+fn rma_keeps_peak_memory_within_incoming_plus_64_mib() {
+    check_memory("rma");
+}
+
+#[test]
+fn a_source_dying_during_a_background_move_fails_the_job_naming_it() {
+    let report = tmp("redist-dies.json");
+    let prog = ex("redist");
+    let args = [
+        "run",
+        "--timeout",
+        "120",
+        "--report",
+        report.to_str().unwrap(),
+        "-n",
+        "2",
+        "--slots",
+        "1",
+        "--max-nodes",
+        "4",
+        "--policy",
+        "steps:4",
+        "--background",
+        "--",
+        &prog,
+        "--background",
+        "--die-while-moving",
+        "1",
+        "--large",
+        "8000000",
+    ];
+    let started = std::time::Instant::now();
+    let out = run(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // SIGABRT: 128 + 6, reported with the rank that died.
+    assert_eq!(out.status.code(), Some(134), "{stderr}");
+    assert!(stderr.contains("rank 1"), "{stderr}");
+    assert!(!stdout.contains("data intact"), "a change was reported complete: {stdout}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(60), "took {:?}", started.elapsed());
+    assert_no_survivors(&report);
+    let _ = std::fs::remove_file(report);
+}

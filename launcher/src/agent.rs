@@ -333,6 +333,12 @@ impl Supervisor {
     }
 
     async fn grown(&mut self, dest: Dest, r: Result<Vec<NodeStarted>, String>) {
+        tracing::debug!(
+            "{}: growth done ({:?}): {}",
+            self.h.node,
+            dest,
+            r.as_ref().map_or_else(Clone::clone, |n| format!("{} node worlds", n.len()))
+        );
         let msg = match (dest, r) {
             (Dest::Spawner, Ok(mut nodes)) => {
                 nodes.insert(0, self.own.clone());
@@ -380,6 +386,7 @@ async fn run_sequence(h: &AgentHandoff, seq: Vec<SpawnOrder>) -> Result<Vec<Node
     }
     let wait = Duration::from_millis(h.timeout_ms.max(1));
     let reports = subtrees.into_iter().map(|(node, mut rx)| async move {
+        tracing::debug!("waiting for the subtree of {node}");
         match tokio::time::timeout(wait, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
             Ok(Ok(FromAgent::Grown(nodes))) => Ok(nodes),
             Ok(Ok(FromAgent::Failed(e))) => Err(e),
@@ -413,7 +420,10 @@ async fn start_child(h: &AgentHandoff, o: SpawnOrder) -> Result<(ductile_transpo
     nonblocking::write_msg(&mut tx, &ToAgent::Handoff(handoff)).await.map_err(|e| fail(e.to_string()))?;
     let t = Duration::from_millis(h.join_timeout_ms.max(1));
     match tokio::time::timeout(t, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
-        Ok(Ok(FromAgent::Ready(_))) => Ok((node, rx)),
+        Ok(Ok(FromAgent::Ready(_))) => {
+            tracing::debug!("{}: {node} is up", h.node);
+            Ok((node, rx))
+        }
         Ok(Ok(FromAgent::Failed(e))) => Err(e),
         Ok(Ok(other)) => Err(fail(format!("unexpected {other:?} from its agent"))),
         Ok(Err(e)) => Err(fail(format!("its agent is gone ({e})"))),

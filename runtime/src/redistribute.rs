@@ -6,10 +6,15 @@
 //! same bytes; they differ in how the bytes travel:
 //!
 //! - [`Method::P2p`]: each source sends each of its non-empty overlaps to its target, in
-//!   segments of at most [`SEGMENT`] bytes, and each target receives from its sources
-//!   only. A process talks only to the processes its blocks overlap with.
+//!   segments of at most [`SEGMENT`] bytes, each after the target granted it: a target
+//!   keeps at most [`WINDOW`] segments in flight towards it (granted round-robin among
+//!   its sources), so what it holds besides its new block stays bounded however many
+//!   sources it has and however slowly it is scheduled. A process talks only to the
+//!   processes its blocks overlap with.
 //! - [`Method::Collective`]: an alltoallv over the whole transition group, one round per
-//!   segment, every member sending a (possibly empty) block to every member.
+//!   segment, every member sending a (possibly empty) block to every member. Segments
+//!   shrink with the number of old ranks so that one round brings a member at most
+//!   [`ROUND_BUDGET`] bytes.
 //! - [`Method::Rma`]: each source exposes its old block as a window (a local
 //!   registration) and tells each of its targets the window's id; each target reads
 //!   its overlaps with gets of at most [`SEGMENT`] bytes, at most [`GETS_IN_FLIGHT`] at
@@ -32,9 +37,17 @@ use std::ops::Range;
 use std::str::FromStr;
 
 /// Largest piece of an overlap moved by one message or one get.
-pub const SEGMENT: usize = 16 << 20;
+pub const SEGMENT: usize = 8 << 20;
 /// Gets a target keeps in flight in the one-sided executor.
 pub const GETS_IN_FLIGHT: usize = 4;
+/// Segments a target keeps in flight towards it in the point-to-point executor.
+pub const WINDOW: usize = 4;
+/// Most bytes one collective round brings a member. Senders can be one round ahead of
+/// a slow member (a round ends for them once the member has entered it), so twice this
+/// may be in flight towards it.
+pub const ROUND_BUDGET: usize = 16 << 20;
+/// Smallest collective segment.
+const MIN_ROUND_SEGMENT: usize = 1 << 20;
 
 /// How registered data travels at a reconfiguration.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -149,67 +162,88 @@ impl Move<'_> {
     }
 
     async fn p2p(&self, old: Bytes, new: Option<&mut [u8]>) -> Result<()> {
-        let me = self.t.rank();
+        let (t, me) = (self.t, self.t.rank());
         let mut own = Vec::new();
-        let mut sends = Vec::new();
+        let mut outgoing = Vec::new();
         for (k, range) in self.sends() {
             if k == me {
                 own.push(range);
-                continue;
-            }
-            for seg in segments(range) {
-                sends.push(self.t.send_tagged(k, self.tag, old.slice(seg)));
+            } else {
+                outgoing.push((k, segments(range, SEGMENT).collect::<Vec<_>>()));
             }
         }
+        // Sources: each segment leaves once its target granted it (grants travel on the
+        // item's second tag).
+        let serve = try_join_all(outgoing.iter().map(|(k, segs)| {
+            let old = &old;
+            async move {
+                for seg in segs {
+                    t.recv_tagged(Some(*k), TagMatch::Tag(self.done_tag)).await?;
+                    t.send_tagged(*k, self.tag, old.slice(seg.clone())).await?;
+                }
+                Ok::<(), Error>(())
+            }
+        }));
         let (Some(plan), Some(block)) = (self.drain(), new) else {
-            try_join_all(sends).await?;
+            serve.await?;
             return Ok(());
         };
-        // Segments are placed in the order they arrive, from whichever source, so at
-        // most what the network delivers faster than a copy is held aside.
+        // Segments are placed in the order they arrive, from whichever source.
         let mut pending: Vec<(usize, std::vec::IntoIter<Range<usize>>)> = Vec::new();
         for (src, range) in self.receives(&plan) {
             if src == me {
                 let from = own.pop().ok_or_else(|| plan_error("own overlap"))?;
                 block[range].copy_from_slice(&old[from]);
             } else {
-                pending.push((src, segments(range).collect::<Vec<_>>().into_iter()));
+                pending.push((src, segments(range, SEGMENT).collect::<Vec<_>>().into_iter()));
             }
         }
         let mut left: usize = pending.iter().map(|(_, segs)| segs.len()).sum();
+        // Grants, round-robin over the sources so that all of them keep sending.
+        let mut grants =
+            round_robin(&pending.iter().map(|(src, segs)| (*src, segs.len())).collect::<Vec<_>>()).into_iter();
         let fill = async {
+            for src in grants.by_ref().take(WINDOW) {
+                t.send_tagged(src, self.done_tag, Bytes::new()).await?;
+            }
             while left > 0 {
-                let (b, st) = self.t.recv_tagged(None, TagMatch::Tag(self.tag)).await?;
+                let (b, st) = t.recv_tagged(None, TagMatch::Tag(self.tag)).await?;
                 let seg = pending
                     .iter_mut()
                     .find(|(src, _)| *src == st.source)
                     .and_then(|(_, segs)| segs.next())
                     .ok_or_else(|| plan_error(&format!("unexpected data from member {}", st.source)))?;
                 place(block, seg, &b, st.source)?;
+                drop(b);
                 left -= 1;
+                if let Some(src) = grants.next() {
+                    t.send_tagged(src, self.done_tag, Bytes::new()).await?;
+                }
             }
             Ok::<(), Error>(())
         };
-        try_join(try_join_all(sends), fill).await?;
+        try_join(serve, fill).await?;
         Ok(())
     }
 
     async fn collective(&self, old: Bytes, mut new: Option<&mut [u8]>) -> Result<()> {
         let size = self.t.size();
+        // A member receives from at most every old rank in a round.
+        let seg_len = (ROUND_BUDGET / self.old_n.max(1) as usize).clamp(MIN_ROUND_SEGMENT, SEGMENT);
         let mut out: Vec<Vec<Range<usize>>> = vec![Vec::new(); size];
         for (k, range) in self.sends() {
-            out[k] = segments(range).collect();
+            out[k] = segments(range, seg_len).collect();
         }
         let mut inc: Vec<Vec<Range<usize>>> = vec![Vec::new(); size];
         if let Some(plan) = self.drain() {
             for (src, range) in self.receives(&plan) {
-                inc[src] = segments(range).collect();
+                inc[src] = segments(range, seg_len).collect();
             }
         }
         // Every member runs the same number of rounds, known without asking: enough for
         // the largest overlap there can be, which is no larger than the largest block.
         let largest = |n: u32| self.global.div_ceil(u64::from(n.max(1)));
-        let rounds = segments(0..self.bytes(largest(self.old_n).min(largest(self.new_n)))).count();
+        let rounds = segments(0..self.bytes(largest(self.old_n).min(largest(self.new_n))), seg_len).count();
         for round in 0..rounds {
             let blocks = out.iter().map(|segs| segs.get(round).map_or_else(Bytes::new, |r| old.slice(r.clone())));
             let got = self.t.alltoallv_bytes(blocks.collect()).await?;
@@ -252,7 +286,7 @@ impl Move<'_> {
                 let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
                 let id = window_id(&b, src)?;
                 sources.push(src);
-                for seg in segments(range.clone()) {
+                for seg in segments(range.clone(), SEGMENT) {
                     let offset = (at + seg.start - range.start) as u64;
                     gets.push(async move {
                         Ok::<_, Error>((seg.clone(), src, t.get(src, id, offset, seg.len() as u64).await?))
@@ -275,11 +309,17 @@ impl Move<'_> {
     }
 }
 
-/// Splits a byte range into pieces of at most [`SEGMENT`] bytes (one empty piece for
-/// an empty range, so it still travels).
-fn segments(r: Range<usize>) -> impl Iterator<Item = Range<usize>> {
-    let n = (r.end - r.start).div_ceil(SEGMENT).max(1);
-    (0..n).map(move |i| (r.start + i * SEGMENT)..(r.start + (i + 1) * SEGMENT).min(r.end))
+/// Splits a byte range into pieces of at most `len` bytes (one empty piece for an empty
+/// range, so it still travels).
+fn segments(r: Range<usize>, len: usize) -> impl Iterator<Item = Range<usize>> {
+    let n = (r.end - r.start).div_ceil(len).max(1);
+    (0..n).map(move |i| (r.start + i * len)..(r.start + (i + 1) * len).min(r.end))
+}
+
+/// The sources of `counts` (source, segments) interleaved: one segment of each in turn.
+fn round_robin(counts: &[(usize, usize)]) -> Vec<usize> {
+    let most = counts.iter().map(|c| c.1).max().unwrap_or(0);
+    (0..most).flat_map(|i| counts.iter().filter(move |c| i < c.1).map(|c| c.0)).collect()
 }
 
 fn place(block: &mut [u8], seg: Range<usize>, b: &[u8], src: usize) -> Result<()> {

@@ -428,7 +428,12 @@ impl Ctl {
                     self.ending = Some(Ending::Node(ag.node, why));
                 }
             }
-            Event::Arrival(Arrival::Agent { node, token, pid, rx, tx }) => self.on_hello(node, &token, pid, rx, tx),
+            Event::Arrival(Arrival::Agent { node, token, pid, rx, tx }) => {
+                self.on_hello(node, &token, pid, rx, tx);
+                // The growth reports and the new agents' hellos travel on different
+                // connections: the last hello may come after the last report.
+                self.after_exit().await;
+            }
             Event::Arrival(Arrival::Resize { target, reply }) => self.on_resize_request(target, reply).await,
         }
     }
