@@ -11,8 +11,9 @@
 //! --table-mib 256`: the solver computes on 2^20 points (8 MiB of variable data, 8 MiB
 //! of constant coefficients) and registers a 256 MiB constant table it does not read,
 //! so the move competes with the solver for the cores and the memory bandwidth and
-//! with nothing else. One resize per job (the pair's growth or shrink); a checkpoint
-//! after every iteration. The solver prints the overlapped iterations, ω and the move's
+//! with nothing else. One resize per job (the pair's growth or shrink) at the 60th
+//! checkpoint; a checkpoint after every iteration. ω's baseline is the 20 iterations
+//! before the change began (before new processes started, for a growth). The solver prints the overlapped iterations, ω and the move's
 //! duration; the figure of each cell is the median over the repetitions. The same job
 //! without `--background` gives the time the solver is stopped for the same move (the
 //! report's `redistribute` phase), shown beside it.
@@ -46,12 +47,9 @@ fn job(method: &str, (from, to): (u32, u32), background: bool) -> Run {
     let report = std::env::temp_dir().join(format!("ductile-bench-overlap-{}.json", std::process::id()));
     let (n, max, policy) = (from.to_string(), from.max(to).to_string(), format!("steps:{to}"));
     let mut cmd = Command::new(ductile_bin());
-    cmd.args(["run", "-n", &n, "--slots", "1", "--max-nodes", &max, "--policy", &policy, "--timeout", "300"]).args([
-        "--redistribution",
-        method,
-        "--report",
-        report.to_str().expect("utf-8 temp dir"),
-    ]);
+    cmd.args(["run", "-n", &n, "--slots", "1", "--max-nodes", &max, "--policy", &policy, "--period", "60"])
+        .args(["--timeout", "300"])
+        .args(["--redistribution", method, "--report", report.to_str().expect("utf-8 temp dir")]);
     if background {
         cmd.arg("--background");
     }

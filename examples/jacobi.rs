@@ -110,11 +110,12 @@ impl Timeline {
     }
 
     /// Iterations that ended during `(from, to]`, and the slowdown ω of their mean
-    /// duration over the mean of the (up to 20) iterations that ended before `from`.
-    fn overlap(&self, from: Instant, to: Instant) -> (usize, f64) {
+    /// duration over the mean of the (up to 20) iterations that ended before `quiet`
+    /// (when the change began: new processes starting also take the cores).
+    fn overlap(&self, from: Instant, to: Instant, quiet: Instant) -> (usize, f64) {
         let mean = |d: &[Duration]| d.iter().map(Duration::as_secs_f64).sum::<f64>() / d.len().max(1) as f64;
         let during: Vec<Duration> = self.0.iter().filter(|(e, _)| *e > from && *e <= to).map(|x| x.1).collect();
-        let before: Vec<Duration> = self.0.iter().filter(|(e, _)| *e <= from).map(|x| x.1).collect();
+        let before: Vec<Duration> = self.0.iter().filter(|(e, _)| *e <= quiet.min(from)).map(|x| x.1).collect();
         let before = &before[before.len().saturating_sub(20)..];
         let omega = if before.is_empty() || during.is_empty() { f64::NAN } else { mean(&during) / mean(before) };
         (during.len(), omega)
@@ -167,6 +168,8 @@ fn main() -> anyhow::Result<()> {
     };
     let started = Instant::now();
     let mut timeline = Timeline::default();
+    // When the change under way first returned Pending (its start, seen from here).
+    let mut first_pending: Option<Instant> = None;
     // The epoch counts the changes so far, in old and new processes alike.
     while it < args.iters || s.epoch() < args.until_changes {
         let t_iter = Instant::now();
@@ -191,6 +194,9 @@ fn main() -> anyhow::Result<()> {
         let before = s.world().size();
         let cp = if args.background { s.checkpoint_background()? } else { s.checkpoint()? };
         timeline.push(Instant::now(), t_iter.elapsed());
+        if matches!(cp, Checkpoint::Pending) && first_pending.is_none() {
+            first_pending = Some(t_iter);
+        }
         match cp {
             Checkpoint::Released(_) => return Ok(s.finalize()?),
             Checkpoint::Resized(r) => {
@@ -206,7 +212,7 @@ fn main() -> anyhow::Result<()> {
                         s.info().nodes
                     );
                     if let Some((from, to)) = r.overlap {
-                        let (during, omega) = timeline.overlap(from, to);
+                        let (during, omega) = timeline.overlap(from, to, first_pending.unwrap_or(from));
                         println!(
                             "jacobi: change {}: constant data moved in {:.1} ms while {during} iterations ran, omega {omega:.2}",
                             r.seq,
@@ -214,6 +220,7 @@ fn main() -> anyhow::Result<()> {
                         );
                     }
                 }
+                first_pending = None;
                 if let Some(dir) = &args.hold {
                     hold(&s, dir)?;
                 }
