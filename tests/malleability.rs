@@ -293,3 +293,45 @@ fn an_application_finishing_during_a_background_growth_ends_the_job_cleanly() {
     assert_no_survivors(&report);
     let _ = std::fs::remove_file(report);
 }
+
+#[test]
+fn an_application_finishing_during_a_background_move_ends_the_job_cleanly() {
+    // The shrink is decided at the only checkpoint (iteration 29 of 30) and its
+    // constant data starts moving; the solver finishes before a later checkpoint could
+    // complete the change, so the job ends on its old processes.
+    let report = tmp("abandoned-move.json");
+    let prog = ex("jacobi");
+    let args = [
+        "run",
+        "--timeout",
+        "120",
+        "--report",
+        report.to_str().unwrap(),
+        "-n",
+        "2",
+        "--slots",
+        "1",
+        "--policy",
+        "steps:1",
+        "--background",
+        "--",
+        &prog,
+        "--background",
+        "--points",
+        "1000",
+        "--iters",
+        "30",
+        "--every",
+        "29",
+    ];
+    let started = Instant::now();
+    let out = run(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("processes 2 "), "{text}");
+    let v = read_report(&report);
+    assert!(v["reconfigurations"].as_array().unwrap().is_empty(), "{v}");
+    assert_no_survivors(&report);
+    let _ = std::fs::remove_file(report);
+}

@@ -120,7 +120,19 @@ impl Registry {
             .ok_or_else(|| Error::Invalid(format!("no registered item named {name:?}")))
     }
 
+    /// Refuses to change the set of items while constant items move (their new blocks
+    /// are placed by position when the move ends).
+    fn settled(&self, what: &str) -> Result<()> {
+        if self.moving.iter().any(Option::is_some) {
+            return Err(Error::Invalid(format!(
+                "cannot {what} while constant items move in the background; wait until the change completes"
+            )));
+        }
+        Ok(())
+    }
+
     fn absent(&self, name: &str) -> Result<()> {
+        self.settled(&format!("register {name:?}"))?;
         if self.entries.iter().any(|e| e.name == name) {
             return Err(Error::Invalid(format!("an item named {name:?} is already registered")));
         }
@@ -177,6 +189,7 @@ impl Registry {
             Some(Entry { kind: Kind::Replicated { value: v }, .. }) => *v = value,
             Some(_) => return Err(Error::Invalid(format!("{name:?} is a distributed item, not replicated state"))),
             None => {
+                self.settled(&format!("register {name:?}"))?;
                 self.entries.push(Entry { name: name.to_owned(), kind: Kind::Replicated { value } });
                 self.blocks.push(Aligned::default());
                 self.moving.push(None);
@@ -236,11 +249,7 @@ impl Registry {
 
     pub(crate) fn unregister(&mut self, name: &str) -> Result<()> {
         let i = self.find(name)?;
-        if self.moving[i].is_some() {
-            return Err(Error::Invalid(format!(
-                "{name:?} is moving in the background; unregister it after the change"
-            )));
-        }
+        self.settled(&format!("unregister {name:?}"))?;
         self.entries.remove(i);
         self.blocks.remove(i);
         self.moving.remove(i);
@@ -444,6 +453,25 @@ mod tests {
         assert_eq!(r.global_len("u").unwrap(), 10);
         r.unregister("u").unwrap();
         assert!(r.block::<f64>("u").is_err());
+    }
+
+    #[test]
+    fn the_set_of_items_is_fixed_while_constant_items_move() {
+        let mut r = Registry::default();
+        r.distribute::<u64>("c", 4, (0, 1), &[1, 2, 3, 4], None, true).unwrap();
+        r.distribute::<u64>("v", 2, (0, 1), &[5, 6], None, false).unwrap();
+        r.replicate("it", &1u32).unwrap();
+        r.moving[0] = Some(Bytes::from_owner(std::mem::take(&mut r.blocks[0])));
+        assert_eq!(r.block::<u64>("c").unwrap(), &[1, 2, 3, 4]);
+        assert!(r.block_mut::<u64>("c").is_err());
+        assert!(r.unregister("v").is_err());
+        assert!(r.distribute::<u64>("w", 1, (0, 1), &[7], None, false).is_err());
+        assert!(r.replicate("new", &0u8).is_err());
+        r.replicate("it", &2u32).unwrap();
+        r.block_mut::<u64>("v").unwrap()[0] = 9;
+        r.abandon_background();
+        assert_eq!(r.block_mut::<u64>("c").unwrap(), &[1, 2, 3, 4]);
+        r.unregister("v").unwrap();
     }
 
     #[test]

@@ -526,26 +526,45 @@ impl Session {
     /// seen its part finish; once all have, the change completes. A blocking
     /// checkpoint waits for the move first.
     fn poll_moving(&mut self, mode: CheckpointMode) -> Result<Checkpoint> {
+        let timeout = self.timeout;
         let Some(m) = self.moving.as_mut() else { return Ok(Checkpoint::Unchanged) };
-        if m.seen_done.is_none() && (mode == CheckpointMode::Blocking || m.task.is_finished()) {
+        if mode == CheckpointMode::Blocking && !m.task.is_finished() {
+            let task = &m.task;
+            // Bounded by the world's timeout; an unfinished move is reported below.
+            let _ = self.world.block(async {
+                while !task.is_finished() {
+                    tokio::time::sleep(Duration::from_micros(200)).await;
+                }
+                Ok(())
+            });
+        }
+        if m.seen_done.is_none() && m.task.is_finished() {
             m.seen_done = Some(Instant::now());
         }
-        let done = u64::from(m.seen_done.is_some());
-        let all = self.world.allreduce(&[done], ReduceOp::Min);
-        match all {
-            Ok(v) if v[0] == 0 => Ok(Checkpoint::Pending),
+        // [any still moving, any over its time]: every old rank goes on, waits or
+        // fails together.
+        let late = m.seen_done.is_none() && m.started.elapsed() > timeout;
+        let state = [u64::from(m.seen_done.is_none()), u64::from(late)];
+        match self.world.allreduce(&state, ReduceOp::Max) {
+            Ok(v) if v[1] > 0 => Err(self.drop_moving(Error::Reconfigure(format!(
+                "the background move of the change did not finish within {timeout:?}"
+            )))),
+            Ok(v) if v[0] > 0 => Ok(Checkpoint::Pending),
             Ok(_) => match self.moving.take() {
                 Some(m) => self.complete_moving(m),
                 None => Ok(Checkpoint::Unchanged),
             },
-            Err(e) => {
-                if let Some(m) = self.moving.take() {
-                    m.task.abort();
-                }
-                self.registry.abandon_background();
-                Err(e)
-            }
+            Err(e) => Err(self.drop_moving(e)),
         }
+    }
+
+    /// Stops a background move: the constant items keep their old blocks.
+    fn drop_moving(&mut self, e: Error) -> Error {
+        if let Some(m) = self.moving.take() {
+            m.task.abort();
+        }
+        self.registry.abandon_background();
+        e
     }
 
     /// Waits for a background move (bounded by the group timeout), installs the new
@@ -556,17 +575,29 @@ impl Session {
         let moved = prep
             .transition
             .block(async { task.await.map_err(|e| Error::Reconfigure(format!("the background move stopped: {e}")))? });
-        let moved = match moved {
-            Ok(m) => m,
-            Err(e) => {
+        let end = seen_done.unwrap_or_else(Instant::now);
+        // Every member learns whether any part of the move failed, so all fail naming
+        // it instead of waiting for a process that gave up.
+        let flag = if moved.is_err() { prep.tpos as u64 + 1 } else { 0 };
+        let failed = prep.transition.allreduce(&[flag], ReduceOp::Max).map(|v| v[0]);
+        let moved = match (moved, failed) {
+            (Ok(m), Ok(0)) => m,
+            (Err(e), _) | (Ok(_), Err(e)) => {
                 abort.abort();
                 self.registry.abandon_background();
                 return Err(e);
             }
+            (Ok(_), Ok(k)) => {
+                self.registry.abandon_background();
+                return Err(Error::Reconfigure(format!(
+                    "the background move failed on {}; the change to epoch {} is abandoned",
+                    prep.members[k as usize - 1],
+                    change.after.epoch
+                )));
+            }
         };
         self.registry.install(moved);
-        let overlap = (started, seen_done.unwrap_or_else(Instant::now));
-        self.complete_change(change, prep, Some(overlap))
+        self.complete_change(change, prep, Some((started, end)))
     }
 
     /// Rank 0's side: asks the controller (once per change) and reads its answer.
@@ -967,6 +998,12 @@ impl Session {
     /// # Errors
     /// The barrier failed (a peer is gone or silent past the timeout).
     pub fn finalize(mut self) -> Result<()> {
+        if self.moving.is_some() {
+            // The application ended before the change could complete: the constant
+            // items stay where they are; the launcher ends the processes that were
+            // waiting to join.
+            let _ = self.drop_moving(Error::Invalid("finalized during a change".into()));
+        }
         if !self.released {
             self.world.barrier()?;
         }
