@@ -24,6 +24,7 @@
 //! }
 //! ```
 
+mod block;
 mod blocking;
 pub mod bootstrap;
 mod collectives;

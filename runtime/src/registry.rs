@@ -11,6 +11,7 @@
 //! Blocks are stored 8-byte aligned, so element types of alignment up to 8 (all the
 //! integer and float types and structs of them) can be viewed in place.
 
+use crate::block::Aligned;
 use crate::error::{Error, Result};
 use crate::group::AsyncGroup;
 use crate::redistribute::{Method, Move};
@@ -28,39 +29,6 @@ pub const MAX_ALIGN: usize = 8;
 const REGISTRY_TAG: u32 = Tag::RESERVED_BASE | (0x20 << 24);
 /// Runtime tags of the one-sided executor's "done reading" notices.
 const REGISTRY_DONE_TAG: u32 = Tag::RESERVED_BASE | (0x21 << 24);
-
-/// Bytes with 8-byte alignment.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Aligned {
-    words: Vec<u64>,
-    len: usize,
-}
-
-impl AsRef<[u8]> for Aligned {
-    fn as_ref(&self) -> &[u8] {
-        self.bytes()
-    }
-}
-
-impl Aligned {
-    fn zeroed(len: usize) -> Self {
-        Self { words: vec![0u64; len.div_ceil(8)], len }
-    }
-
-    fn from_bytes(b: &[u8]) -> Self {
-        let mut words = vec![0u64; b.len().div_ceil(8)];
-        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..b.len()].copy_from_slice(b);
-        Self { words, len: b.len() }
-    }
-
-    fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.len]
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..self.len]
-    }
-}
 
 /// What the manifest says of one item.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
