@@ -273,13 +273,7 @@ impl Supervisor {
                     world.procs.remove(&rank);
                     let _ = nonblocking::write_msg(&mut self.up_tx, &FromAgent::RankExited { rank, exit }).await;
                 }
-                Some((id, m)) = msgs.recv() => match m {
-                    FromRank::Finalized => {}
-                    FromRank::Ready { .. } => tracing::warn!("{id} reported ready twice"),
-                    other => {
-                        let _ = nonblocking::write_msg(&mut self.up_tx, &FromAgent::Rank(id, other)).await;
-                    }
-                },
+                Some((id, m)) = msgs.recv() => self.relay(id, m).await,
                 Some((dest, r)) = grown.recv() => {
                     self.growing = self.growing.saturating_sub(1);
                     self.grown(dest, r).await;
@@ -296,11 +290,29 @@ impl Supervisor {
                 break;
             }
         }
+        // A rank's last messages (a switch report sent just before it finalized) can
+        // still be in its reader when its exit is seen: pass them on before leaving.
+        let _ = tokio::time::timeout(DRAIN, async {
+            while let Some((id, m)) = msgs.recv().await {
+                self.relay(id, m).await;
+            }
+        })
+        .await;
         for f in world.forwarders.drain(..) {
             let _ = tokio::time::timeout(DRAIN, f).await;
         }
         let _ = nonblocking::write_msg(&mut self.up_tx, &FromAgent::Done).await;
         Ok(())
+    }
+
+    async fn relay(&mut self, id: Rank, m: FromRank) {
+        match m {
+            FromRank::Finalized => {}
+            FromRank::Ready { .. } => tracing::warn!("{id} reported ready twice"),
+            other => {
+                let _ = nonblocking::write_msg(&mut self.up_tx, &FromAgent::Rank(id, other)).await;
+            }
+        }
     }
 
     async fn on_controller(&mut self, world: &mut NodeWorld, msg: ToAgent) {

@@ -94,6 +94,9 @@ struct Prepared {
 
 static TAKEN: AtomicBool = AtomicBool::new(false);
 
+/// The failure flag of a background move meaning "the old processes finalized".
+const ABANDONED: u64 = u64::MAX;
+
 /// Bit of a transition group's context (world contexts have it clear).
 const TRANSITION_CTX: u32 = 0x4000_0000;
 /// Bits of the epoch in world and transition contexts.
@@ -580,6 +583,17 @@ impl Session {
         // it instead of waiting for a process that gave up.
         let flag = if moved.is_err() { prep.tpos as u64 + 1 } else { 0 };
         let failed = prep.transition.allreduce(&[flag], ReduceOp::Max).map(|v| v[0]);
+        if failed.as_ref().is_ok_and(|&f| f == ABANDONED) {
+            // The old processes finalized before the change could complete: this
+            // process was started for it only, and has nothing to do.
+            tracing::info!("{}: the application ended before the change it joined; exiting", self.endpoint.rank());
+            let t = self.endpoint.transport().clone();
+            let _ = prep.transition.block(async {
+                t.close().await;
+                Ok(())
+            });
+            std::process::exit(0);
+        }
         let moved = match (moved, failed) {
             (Ok(m), Ok(0)) => m,
             (Err(e), _) | (Ok(_), Err(e)) => {
@@ -998,11 +1012,17 @@ impl Session {
     /// # Errors
     /// The barrier failed (a peer is gone or silent past the timeout).
     pub fn finalize(mut self) -> Result<()> {
-        if self.moving.is_some() {
-            // The application ended before the change could complete: the constant
-            // items stay where they are; the launcher ends the processes that were
-            // waiting to join.
-            let _ = self.drop_moving(Error::Invalid("finalized during a change".into()));
+        if let Some(m) = self.moving.take() {
+            // The application ended before the change could complete. The move is let
+            // finish (bounded by the timeout), then every member of the change learns
+            // it is abandoned: processes started to join it exit, the old ones end
+            // here with their old blocks.
+            let Moving { prep, task, .. } = m;
+            let abort = task.abort_handle();
+            let _ = prep.transition.block(async { task.await.map_err(|e| Error::Reconfigure(e.to_string())) });
+            abort.abort();
+            let _ = prep.transition.allreduce(&[ABANDONED], ReduceOp::Max);
+            self.registry.abandon_background();
         }
         if !self.released {
             self.world.barrier()?;

@@ -90,8 +90,6 @@ pub struct InFlight {
     tokens: HashMap<usize, Token>,
     /// Every agent this growth started (indices into the controller's agents).
     new_agents: Vec<usize>,
-    /// The processes of the membership the change started from.
-    old_ranks: Vec<Rank>,
     /// The old processes all finished before the growth could switch: once every new
     /// node world is up (or has failed) they are ended and the job ends normally.
     abandoned: bool,
@@ -213,7 +211,6 @@ impl Ctl {
             times: SwitchTimes::default(),
             tokens: HashMap::new(),
             new_agents: Vec::new(),
-            old_ranks: self.state.ranks.clone(),
             abandoned: false,
         };
         match plan {
@@ -433,18 +430,7 @@ impl Ctl {
                 }
                 self.gathered().await;
             }
-            Phase::Switching => {
-                // The old processes all ended before switching (the application
-                // finished during a background move): the new ones are ended.
-                let old_gone = self.agents.iter().all(|a| f.old_ranks.iter().all(|r| !a.live.contains(r)));
-                if f.grow.is_some() && !f.abandoned && old_gone {
-                    tracing::info!(
-                        "the application finished before resize {} could switch; ending its new processes",
-                        f.seq
-                    );
-                    self.drop_abandoned().await;
-                }
-            }
+            Phase::Switching => {}
             Phase::Releasing { .. } => {
                 let live: usize = self.agents.iter().map(|a| a.live.intersection(&f.leaving).count()).sum();
                 let agents_left = self
