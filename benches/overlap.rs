@@ -82,22 +82,7 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let ok = Command::new(cargo)
-        .args([
-            "build",
-            "--release",
-            "--quiet",
-            "-p",
-            "ductile-launcher",
-            "-p",
-            "ductile-suite",
-            "--bins",
-            "--examples",
-        ])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(ok && ductile_bin().exists() && example("jacobi").exists(), "cannot build the launcher and examples");
+    ductile_suite::paths::build_release();
     let reps = reps();
     println!("background redistribution of a 256 MiB constant item under jacobi, median of {reps} jobs");
     println!(

@@ -400,23 +400,6 @@ fn to_json(runs: &Runs, bytes: u64) -> serde_json::Value {
     }
 }
 
-/// `cargo bench` does not build other packages' binaries; build the launcher in the
-/// release profile, with the transports this bench was built with.
-fn build_launcher() {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let features: Vec<&str> = [("quic", cfg!(feature = "quic")), ("fabric", cfg!(feature = "fabric"))]
-        .iter()
-        .filter(|(_, on)| *on)
-        .map(|(f, _)| *f)
-        .collect();
-    let ok = Command::new(cargo)
-        .args(["build", "--release", "--quiet", "-p", "ductile-launcher", "--bin", "ductile", "--features"])
-        .arg(features.join(","))
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(ok && ductile_bin().exists(), "cannot build {}", ductile_bin().display());
-}
-
 /// What a case of a pair runs.
 #[derive(Clone, Copy)]
 enum Job {
@@ -494,7 +477,7 @@ fn main() {
     let (reps, mib, pairs, growth) = (reps(), array_mib(), pairs(), growth_method());
     let bytes = mib << 20;
     let global = bytes / 8;
-    build_launcher();
+    ductile_suite::paths::build_release();
     let peer = mpi_peer("redist");
     if !ductile_transport::transport::backends().contains(&"fabric") {
         eprintln!("\n*** SKIPPED ductile fabric shm: this bench was built without the `fabric` feature ***\n");

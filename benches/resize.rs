@@ -87,33 +87,12 @@ fn ompi_relaunch(peer: &Path, procs: u32) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-/// `cargo bench` does not build other packages' binaries or this package's examples;
-/// build them in the release profile so the jobs run the current code.
-fn build() {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let ok = Command::new(cargo)
-        .args([
-            "build",
-            "--release",
-            "--quiet",
-            "-p",
-            "ductile-launcher",
-            "-p",
-            "ductile-suite",
-            "--bins",
-            "--examples",
-        ])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(ok && ductile_bin().exists() && example("jacobi").exists(), "cannot build the launcher and examples");
-}
-
 fn main() {
     // `cargo bench` passes `--bench`; `cargo test --benches` passes nothing useful.
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    build();
+    ductile_suite::paths::build_release();
     let reps = reps();
     let peer = mpi_peer("spawn");
     let mut rows = Vec::new();

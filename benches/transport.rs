@@ -276,24 +276,6 @@ criterion_group!(
     targets = benches
 );
 
-/// `cargo bench` does not build other packages' binaries; build the launcher in the
-/// release profile so the jobs run the current code.
-fn build_launcher() {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    // The launcher gets the transports this bench was built with.
-    let features: Vec<&str> = [("quic", cfg!(feature = "quic")), ("fabric", cfg!(feature = "fabric"))]
-        .iter()
-        .filter(|(_, on)| *on)
-        .map(|(f, _)| *f)
-        .collect();
-    let ok = Command::new(cargo)
-        .args(["build", "--release", "--quiet", "-p", "ductile-launcher", "--bin", "ductile", "--features"])
-        .arg(features.join(","))
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(ok && ductile_bin().exists(), "cannot build {}", ductile_bin().display());
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("--rank") {
@@ -308,7 +290,7 @@ fn main() {
         }
         return;
     }
-    build_launcher();
+    ductile_suite::paths::build_release();
     transport();
     Criterion::default().configure_from_args().final_summary();
 }

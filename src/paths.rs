@@ -5,6 +5,7 @@
 //! their own executable instead (`target/<profile>/deps/<test>` → `target/<profile>/`).
 
 use std::path::PathBuf;
+use std::process::Command;
 
 /// The `target/<profile>` directory the running test or bench was built into.
 ///
@@ -42,4 +43,37 @@ pub fn mpi_peer(name: &str) -> Option<PathBuf> {
         eprintln!("\n*** SKIPPED Open MPI peers: {} or mpirun missing; run benches/peers/build.sh ***\n", p.display());
         None
     }
+}
+
+/// Builds the launcher and this package's examples in the release profile, with the
+/// transports this package was built with (`cargo bench` does not build other
+/// packages' binaries, so a bench calls this to run the current code).
+///
+/// # Panics
+/// When the build fails.
+pub fn build_release() {
+    let features: Vec<&str> =
+        [("ductile-launcher/quic", cfg!(feature = "quic")), ("ductile-launcher/fabric", cfg!(feature = "fabric"))]
+            .iter()
+            .filter(|(_, on)| *on)
+            .map(|(f, _)| *f)
+            .collect();
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.args([
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "ductile-launcher",
+        "-p",
+        "ductile-suite",
+        "--bins",
+        "--examples",
+    ]);
+    if !features.is_empty() {
+        cmd.arg("--features").arg(features.join(","));
+    }
+    let ok = cmd.status().is_ok_and(|s| s.success());
+    assert!(ok && ductile_bin().exists(), "cannot build {} and the examples", ductile_bin().display());
 }
