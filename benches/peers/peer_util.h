@@ -4,6 +4,8 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <mpi.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
@@ -31,6 +33,24 @@ static inline int parse_count(const char *s, long *out)
         return -1;
     *out = v;
     return 0;
+}
+
+/* Fail the whole job with exit code `code`: rank 0 of `comm` prints
+ * "<who>: <msg>" and calls MPI_Abort; the other ranks park in a barrier that
+ * rank 0 never enters, so mpirun kills them. (Letting every rank call
+ * MPI_Abort at once makes Open MPI 4.1's mpirun print spurious ORTE_ERROR_LOG
+ * lines.) */
+static inline void peer_fail(const char *who, MPI_Comm comm, int rank, int code, const char *msg)
+{
+    if (rank == 0) {
+        fprintf(stderr, "%s: %s\n", who, msg);
+        fflush(stderr);
+        MPI_Abort(comm, code);
+    } else {
+        MPI_Barrier(comm);
+        MPI_Abort(comm, code); /* not reached */
+    }
+    exit(code); /* not reached */
 }
 
 #endif

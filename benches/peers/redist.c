@@ -82,15 +82,7 @@ struct args {
  * aborts; the others wait in a barrier rank 0 never enters (as in spawn.c). */
 static void fail(MPI_Comm comm, int rank, int code, const char *msg)
 {
-    if (rank == 0) {
-        fprintf(stderr, "redist: %s\n", msg);
-        fflush(stderr);
-        MPI_Abort(comm, code);
-    } else {
-        MPI_Barrier(comm);
-        MPI_Abort(comm, code); /* not reached */
-    }
-    exit(code); /* not reached */
+    peer_fail("redist", comm, rank, code, msg);
 }
 
 /* First index of block r of n over `global` elements (the block rule). */

@@ -50,15 +50,7 @@
  * once makes Open MPI 4.1's mpirun print spurious ORTE_ERROR_LOG lines.) */
 static void fail(MPI_Comm comm, int rank, int code, const char *msg)
 {
-    if (rank == 0) {
-        fprintf(stderr, "spawn: %s\n", msg);
-        fflush(stderr);
-        MPI_Abort(comm, code);
-    } else {
-        MPI_Barrier(comm);
-        MPI_Abort(comm, code); /* not reached */
-    }
-    exit(code); /* not reached */
+    peer_fail("spawn", comm, rank, code, msg);
 }
 
 /* Child side: join the parents and take part in the merged barrier. */
