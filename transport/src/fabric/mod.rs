@@ -172,6 +172,8 @@ impl FabricTransport {
             name,
             ep,
             ops: ofi::Ops::default(),
+            used: Mutex::new(Vec::new()),
+            unposted: AtomicBool::new(false),
             transfers: transfer::Transfers::default(),
             names: Mutex::new(HashMap::new()),
             streams: Mutex::new(stream::Streams::default()),
@@ -184,6 +186,7 @@ impl FabricTransport {
             closed: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
             pollers: AtomicUsize::new(0),
+            progress_thread: std::sync::OnceLock::new(),
         });
         for _ in 0..progress::RECV_POSTED {
             inner.post_recv(None).map_err(|e| bind_err(e.to_string()))?;
@@ -279,8 +282,14 @@ impl Transport for FabricTransport {
         self.inner.pollers.fetch_add(1, Ordering::AcqRel);
     }
 
-    fn poll_end(&self, _parking: bool) {
-        self.inner.pollers.fetch_sub(1, Ordering::AcqRel);
+    fn poll_end(&self, parking: bool) {
+        let last = self.inner.pollers.fetch_sub(1, Ordering::AcqRel) == 1;
+        if parking && last {
+            // Nobody reads the queue now: the progress thread takes over at once.
+            if let Some(t) = self.inner.progress_thread.get() {
+                t.unpark();
+            }
+        }
     }
 
     fn expose(&self, region: Bytes) -> Result<WindowId, TransportError> {

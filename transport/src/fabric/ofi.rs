@@ -247,17 +247,24 @@ impl Cq {
         Ok(Arc::new(Self { ptr: cq, _domain: domain.clone() }))
     }
 
-    /// Reads up to `out.len()` completions without blocking. `Ok(0)`: none;
-    /// `Err(FI_EAVAIL)`: an error completion is next (see [`Cq::read_err`]).
-    pub(super) fn read(&self, out: &mut [Completion]) -> Result<usize, OfiError> {
-        // SAFETY: out holds out.len() entries of the CQ's (tagged) format, written by
-        // the call.
+    /// Reads up to `out.len()` completions without blocking, returning those read
+    /// (none: an empty slice). `Err(FI_EAVAIL)`: an error completion is next (see
+    /// [`Cq::read_err`]).
+    pub(super) fn read<'a>(
+        &self,
+        out: &'a mut [std::mem::MaybeUninit<Completion>],
+    ) -> Result<&'a [Completion], OfiError> {
+        // SAFETY: out has room for out.len() entries of the CQ's (tagged) format; the
+        // call writes the first `ret` of them.
         let ret = unsafe { sys::fi_cq_read(self.ptr, out.as_mut_ptr().cast(), out.len()) };
         if ret == -(EAGAIN as isize) {
-            return Ok(0);
+            return Ok(&[]);
         }
         check_len("fi_cq_read", ret)?;
-        Ok(usize::try_from(ret).unwrap_or(0))
+        let n = usize::try_from(ret).unwrap_or(0).min(out.len());
+        // SAFETY: the first n entries were written by the provider (a plain C struct,
+        // valid for any bytes it wrote).
+        Ok(unsafe { std::slice::from_raw_parts(out.as_ptr().cast::<Completion>(), n) })
     }
 
     /// Reads the next error completion, if any. Callers serialise error reads (the

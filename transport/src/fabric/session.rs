@@ -69,7 +69,11 @@ struct Listening {
 }
 
 struct Alive {
+    /// When the peer was last heard of, as of the last tick that saw `fresh`.
     last_heard: Instant,
+    /// Heard since the last tick. Hearing is recorded without reading the clock (it
+    /// happens for every message); the tick, every 100 ms, dates it.
+    fresh: bool,
     pinged: Option<Instant>,
 }
 
@@ -301,7 +305,7 @@ impl Sessions {
 
     fn accept(&mut self, token: u64, rank: Rank, now: Instant) {
         self.tokens.insert(token, rank);
-        self.alive.insert(rank, Alive { last_heard: now, pinged: None });
+        self.alive.insert(rank, Alive { last_heard: now, fresh: false, pinged: None });
     }
 
     fn fail_dial(&mut self, rank: Rank, why: AuthError) {
@@ -326,10 +330,10 @@ impl Sessions {
 
     /// Any message other than a handshake's, carrying `token`: its sender, if the token
     /// is one we accept.
-    pub(super) fn heard(&mut self, token: u64, now: Instant) -> Option<Rank> {
+    pub(super) fn heard(&mut self, token: u64) -> Option<Rank> {
         let rank = *self.tokens.get(&token)?;
         if let Some(a) = self.alive.get_mut(&rank) {
-            a.last_heard = now;
+            a.fresh = true;
             a.pinged = None;
         }
         Some(rank)
@@ -360,6 +364,9 @@ impl Sessions {
             }
         }
         for (&rank, a) in &mut self.alive {
+            if std::mem::take(&mut a.fresh) {
+                a.last_heard = now;
+            }
             let silent = now.saturating_duration_since(a.last_heard);
             if silent > LOST_AFTER {
                 out.lost.push(rank);

@@ -1,6 +1,6 @@
 //! The backend's shared state, its sends, and what happens when a peer ends.
 
-use super::ofi::{lock, Attrs, Ep, Op, Ops, Posted, Registrar, SendDone};
+use super::ofi::{lock, Attrs, Ep, LocalBuf, Op, Ops, Posted, Registrar, SendDone};
 use super::rma::{Leases, Outgoing, Transfers};
 use super::session::{Dial, Sessions, To};
 use super::stream::{Item, Streams};
@@ -37,6 +37,9 @@ pub(super) struct Inner {
     /// Registers memory as the provider needs (holds the domain and maybe the endpoint).
     pub(super) registrar: Registrar,
     pub(super) ops: Ops,
+    /// Receive buffers to post again (see `repost_later`), and whether there are any.
+    pub(super) used: Mutex<Vec<LocalBuf>>,
+    pub(super) unposted: AtomicBool,
     pub(super) transfers: Transfers,
     pub(super) sessions: Mutex<Sessions>,
     /// Names inserted into the address vector, and their addresses.
@@ -55,6 +58,8 @@ pub(super) struct Inner {
     /// Application threads polling the completion queue themselves (between
     /// `poll_begin` and `poll_end`); the progress thread stands aside meanwhile.
     pub(super) pollers: AtomicUsize,
+    /// The progress thread, woken when the last polling thread goes to sleep.
+    pub(super) progress_thread: std::sync::OnceLock<std::thread::Thread>,
 }
 
 impl Inner {
@@ -89,24 +94,24 @@ impl Inner {
         })
     }
 
-    /// Sends an eager data message: injected when it fits the provider's inject size
-    /// and nothing waits in the backlog (no completion to wait for, which is most of a
-    /// small message's cost), else posted like any other.
-    fn post_data(&self, dst: Rank, to: To, msg: &Msg, payload: &[u8], done: SendDone) -> Result<(), TransportError> {
-        if !self.ops.backlogged() {
-            let wire = msg.encode(to.token, payload);
-            if wire.len() <= self.attrs.inject_size {
-                match self.ep.tinject(&wire, to.fi_addr, super::wire::TAG) {
-                    Ok(Posted::Yes) => {
-                        let _ = done.send(Ok(()));
-                        return Ok(());
-                    }
-                    Ok(Posted::Again) => {}
-                    Err(e) => return Err(self.ofi_err(dst, e)),
-                }
-            }
+    /// Injects a small message (data or a rendezvous announcement) when nothing waits in the backlog: no completion
+    /// to wait for, which is most of a small message's cost. False if it must be posted
+    /// (too large for the provider's inject size, a backlog, or a full queue).
+    fn inject_data(&self, dst: Rank, to: To, msg: &Msg, payload: &[u8]) -> Result<bool, TransportError> {
+        if self.ops.backlogged() || DATA_HEADER + payload.len() > self.attrs.inject_size {
+            return Ok(false);
         }
-        self.post_msg(Some(dst), to, msg, payload, Some(done))
+        SCRATCH.with_borrow_mut(|wire| {
+            msg.encode_into(to.token, payload, wire);
+            if wire.len() > self.attrs.inject_size {
+                return Ok(false);
+            }
+            match self.ep.tinject(wire, to.fi_addr, super::wire::TAG) {
+                Ok(Posted::Yes) => Ok(true),
+                Ok(Posted::Again) => Ok(false),
+                Err(e) => Err(self.ofi_err(dst, e)),
+            }
+        })
     }
 
     /// Sends a control message, logging a failure (the sender does not wait for it).
@@ -180,7 +185,7 @@ impl Inner {
         // Registering may fail: do it before a sequence number is taken, as a number
         // taken must be sent for the receiver's stream to go on.
         let rendezvous = if eager { None } else { Some(self.offer(dst, &payload)?) };
-        let (tx, rx) = oneshot::channel();
+        let mut wait = None;
         let posted = {
             let mut sessions = lock(&self.sessions);
             let Some((to, head)) = sessions.next_head(dst) else {
@@ -190,13 +195,23 @@ impl Inner {
                 }
                 return Err(TransportError::PeerLost(dst));
             };
-            match &rendezvous {
-                None => self.post_data(dst, to, &Msg::Data { head, ctx, tag }, &payload, tx),
+            let msg = match &rendezvous {
+                None => Msg::Data { head, ctx, tag },
                 Some((id, region)) => {
                     let len = payload.len() as u64;
-                    let rts = Msg::Rts { head, ctx, tag, len, id: *id, region: region.clone() };
-                    self.post_msg(Some(dst), to, &rts, &[], Some(tx))
+                    Msg::Rts { head, ctx, tag, len, id: *id, region: region.clone() }
                 }
+            };
+            // The stream's order is the order of posts, so the post happens under the
+            // sessions lock that handed out the sequence number.
+            match self.inject_data(dst, to, &msg, if eager { &payload } else { &[] }) {
+                Ok(true) => Ok(()),
+                Ok(false) => {
+                    let (tx, rx) = oneshot::channel();
+                    wait = Some(rx);
+                    self.post_msg(Some(dst), to, &msg, if eager { &payload } else { &[] }, Some(tx))
+                }
+                Err(e) => Err(e),
             }
         };
         if let Err(e) = posted {
@@ -204,6 +219,7 @@ impl Inner {
             self.peer_ended(dst, PeerEnd::Lost, &e.to_string());
             return Err(e);
         }
+        let Some(rx) = wait else { return Ok(()) };
         let _ = self.progress_once();
         rx.await.unwrap_or(Err(TransportError::Closed))
     }
@@ -299,6 +315,11 @@ impl Inner {
     }
 }
 
+thread_local! {
+    /// Where a thread encodes the small messages it injects (the provider copies them).
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Endpoints kept open until the process exits, with their posted buffers; see `Drop`.
 static KEPT_OPEN: Mutex<Vec<(Arc<Ep>, Ops)>> = Mutex::new(Vec::new());
 
@@ -307,6 +328,9 @@ impl Drop for Inner {
         // Registrations go first (FI_MR_ENDPOINT regions hold the endpoint), then the
         // endpoint (by field order), and only then the buffers it may write into.
         self.ops.drop_registrations();
+        for buf in lock(&self.used).iter_mut() {
+            buf.unregister();
+        }
         self.transfers.drop_registrations(&self.registrar);
         lock(&self.leases).clear();
         lock(&self.outgoing).clear();

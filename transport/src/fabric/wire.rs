@@ -171,6 +171,13 @@ impl Msg {
     /// kinds), followed by `payload` (data messages only).
     pub(super) fn encode(&self, token: u64, payload: &[u8]) -> Vec<u8> {
         let mut b = Vec::with_capacity(DATA_HEADER + payload.len() + 64);
+        self.encode_into(token, payload, &mut b);
+        b
+    }
+
+    /// [`Self::encode`] into `b`, which is cleared first.
+    pub(super) fn encode_into(&self, token: u64, payload: &[u8], b: &mut Vec<u8>) {
+        b.clear();
         b.push(self.kind() as u8);
         if !self.kind().is_handshake() {
             b.extend_from_slice(&token.to_le_bytes());
@@ -193,20 +200,20 @@ impl Msg {
             }
             Self::Accept { dialer_nonce } => b.extend_from_slice(dialer_nonce),
             Self::Data { head, ctx, tag } => {
-                put_head(&mut b, *head);
+                put_head(b, *head);
                 b.extend_from_slice(&ctx.0.to_le_bytes());
                 b.extend_from_slice(&tag.0.to_le_bytes());
                 b.extend_from_slice(payload);
             }
             Self::Rts { head, ctx, tag, len, id, region } => {
-                put_head(&mut b, *head);
+                put_head(b, *head);
                 b.extend_from_slice(&ctx.0.to_le_bytes());
                 b.extend_from_slice(&tag.0.to_le_bytes());
                 b.extend_from_slice(&len.to_le_bytes());
                 b.extend_from_slice(&id.to_le_bytes());
-                put_region(&mut b, region);
+                put_region(b, region);
             }
-            Self::Bye { head } => put_head(&mut b, *head),
+            Self::Bye { head } => put_head(b, *head),
             Self::Fin { id: n } | Self::Release { req: n } => b.extend_from_slice(&n.to_le_bytes()),
             Self::Query { req, window } => {
                 b.extend_from_slice(&req.to_le_bytes());
@@ -215,7 +222,7 @@ impl Msg {
             Self::Desc { req, size, region } => {
                 b.extend_from_slice(&req.to_le_bytes());
                 b.extend_from_slice(&size.to_le_bytes());
-                put_region(&mut b, region);
+                put_region(b, region);
             }
             Self::Refusal { req, why } => {
                 b.extend_from_slice(&req.to_le_bytes());
@@ -223,7 +230,6 @@ impl Msg {
             }
             Self::Ping | Self::Pong => {}
         }
-        b
     }
 
     /// Decodes a body: the token (0 for handshake kinds) and the message. For data,

@@ -37,15 +37,15 @@ fn a_full_handshake_agrees_on_tokens_both_ways() {
     // The listener may send at once; its token is one the dialer accepts.
     let (l_to_d, head) = l.next_head(Rank(1)).unwrap();
     assert_eq!((l_to_d.fi_addr, head.seq), (10, 0));
-    assert_eq!(d.heard(l_to_d.token, now), Some(Rank(0)));
+    assert_eq!(d.heard(l_to_d.token), Some(Rank(0)));
     assert!(d.next_head(Rank(0)).is_none(), "the dialer waits for the acceptance");
     assert_eq!(d.on_accept(&accept), Some(Rank(0)));
     assert!(matches!(rx.try_recv(), Ok(Ok(()))));
     let (d_to_l, head) = d.next_head(Rank(0)).unwrap();
     assert_eq!((d_to_l.fi_addr, head.seq), (20, 0));
-    assert_eq!(l.heard(d_to_l.token, now), Some(Rank(1)));
+    assert_eq!(l.heard(d_to_l.token), Some(Rank(1)));
     assert_ne!(d_to_l.token, l_to_d.token);
-    assert_eq!(l.heard(d_to_l.token ^ 1, now), None, "a guessed token names nobody");
+    assert_eq!(l.heard(d_to_l.token ^ 1), None, "a guessed token names nobody");
     assert!(matches!(d.dial(Rank(0), b"d-name", now).unwrap(), Dial::Ready));
 }
 
@@ -113,7 +113,14 @@ fn silence_leads_to_pings_then_loss_and_stale_handshakes_expire() {
     assert_eq!(tick.ping[0].0, Rank(0));
     let again = d.tick(later(PING_AFTER.as_millis() as u64 + 2), Duration::from_secs(60));
     assert!(again.ping.is_empty(), "one ping per interval");
-    let lost = d.tick(later(LOST_AFTER.as_millis() as u64 + 1), Duration::from_secs(60));
+    // A message heard before a tick counts as heard at that tick: loss is deferred.
+    let token = l.to(Rank(1)).expect("the listener has a stream to the dialer").token;
+    assert_eq!(d.heard(token), Some(Rank(0)));
+    let heard_at = PING_AFTER.as_millis() as u64 + 3;
+    assert!(d.tick(later(heard_at), Duration::from_secs(60)).ping.is_empty());
+    let not_yet = d.tick(later(LOST_AFTER.as_millis() as u64 + 1), Duration::from_secs(60));
+    assert!(not_yet.lost.is_empty(), "heard {heard_at} ms after the start");
+    let lost = d.tick(later(heard_at + LOST_AFTER.as_millis() as u64 + 1), Duration::from_secs(60));
     assert_eq!(lost.lost, vec![Rank(0)]);
     d.forget(Rank(0));
     assert!(d.to(Rank(0)).is_none());
