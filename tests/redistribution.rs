@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{assert_no_survivors, ex, read_report, run, tmp};
+use common::{assert_no_survivors, ductile, ex, read_report, run, tmp};
 
 /// Node counts (one process each) visiting every ordered pair (NS, NT) of distinct
 /// sizes in {1, 2, 3, 4, 8} exactly once: an Eulerian circuit of the complete directed
@@ -220,4 +220,21 @@ fn a_source_dying_during_a_background_move_fails_the_job_naming_it() {
     assert!(started.elapsed() < std::time::Duration::from_secs(60), "took {:?}", started.elapsed());
     assert_no_survivors(&report);
     let _ = std::fs::remove_file(report);
+}
+
+#[test]
+fn waits_that_never_spin_still_move_large_blocks() {
+    // DUCTILE_SPIN_US=0: every blocking wait parks at once, so the rest of a large send
+    // that its own thread could not write must be handed to the progress tasks (it
+    // used to wait there until the job's timeout).
+    let prog = ex("redist");
+    let args = ["run", "--timeout", "60", "-n", "2", "--slots", "1", "--max-nodes", "4", "--policy", "steps:1"];
+    let mut all = args.to_vec();
+    all.extend(["--redistribution", "collective", "--", prog.as_str(), "--changes", "1", "--large", "4194304"]);
+    let started = std::time::Instant::now();
+    let out = ductile(&all).env("DUCTILE_SPIN_US", "0").output().expect("start ductile");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}\n{text}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("redist: 1 changes by collective, every element intact"), "{text}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(30), "took {:?}", started.elapsed());
 }

@@ -93,13 +93,15 @@ impl Progress for ductile_transport::Endpoint {
 
 /// Waits for a wake-up; false if the deadline passed first.
 fn wait(flag: &Flag, spin: Duration, deadline: Instant, progress: &impl Progress) -> bool {
-    if spin > Duration::ZERO {
-        progress.begin();
-        let woken = spin_wait(flag, spin, progress);
-        progress.end(!woken);
-        if woken || flag.woken.swap(false, Ordering::Acquire) {
-            return true;
-        }
+    // Even without a spin the thread tells the transport it is about to sleep, so that
+    // data its own polling was to move (a send's unwritten rest) goes to the backend's
+    // progress tasks. (Parking without saying so left such a send unwritten until the
+    // timeout.)
+    progress.begin();
+    let woken = spin > Duration::ZERO && spin_wait(flag, spin, progress);
+    progress.end(!woken);
+    if woken || flag.woken.swap(false, Ordering::Acquire) {
+        return true;
     }
     while !flag.woken.swap(false, Ordering::Acquire) {
         let now = Instant::now();
