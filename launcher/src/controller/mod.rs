@@ -321,7 +321,10 @@ impl Ctl {
             None => Err("it is not connected".to_string()),
         };
         if let Err(e) = res {
-            if self.ending.is_none() {
+            if ag.abandoned {
+                // Its growth was abandoned and it is ending anyway (it may be gone).
+                tracing::debug!("node {}: the agent of an abandoned growth is gone ({e})", ag.node);
+            } else if self.ending.is_none() {
                 self.ending = Some(Ending::Node(ag.node, format!("cannot reach its agent ({e})")));
             }
         }

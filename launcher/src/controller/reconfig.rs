@@ -76,6 +76,8 @@ pub struct InFlight {
     released_nodes: Vec<u32>,
     /// Processes that must leave.
     leaving: HashSet<Rank>,
+    /// The processes before the change (set when it is sent out).
+    old: Vec<Rank>,
     /// Processes this controller ended because they did not leave in time.
     ended: HashSet<Rank>,
     root_takeover: bool,
@@ -201,6 +203,7 @@ impl Ctl {
             added_nodes: Vec::new(),
             released_nodes: Vec::new(),
             leaving: HashSet::new(),
+            old: Vec::new(),
             ended: HashSet::new(),
             root_takeover: false,
             count: d.count,
@@ -384,6 +387,7 @@ impl Ctl {
         let old: HashSet<Rank> = change.before.iter().copied().collect();
         let new: HashSet<Rank> = change.after.ranks.iter().copied().collect();
         f.leaving = old.difference(&new).copied().collect();
+        f.old.clone_from(&change.before);
         f.after = (change.after.ranks.len() as u32, self.state.node_count());
         f.root_takeover = change.after.ranks[0] != change.before[0];
         f.deadline = Instant::now() + self.wait_timeout;
@@ -430,7 +434,23 @@ impl Ctl {
                 }
                 self.gathered().await;
             }
-            Phase::Switching => {}
+            Phase::Switching => {
+                // The old processes that stay exit only when the application ends,
+                // and their rank 0 reports the switch before it exits (its agent relays
+                // both in order): if they are all gone, the application finished as the
+                // change was sent out, and nothing can switch now. (Processes that leave
+                // in this change, all of them with `--method baseline`, exit anyway.)
+                let mut stay = f.old.iter().filter(|r| !f.leaving.contains(r)).peekable();
+                let stayers_ended =
+                    stay.peek().is_some() && stay.all(|r| self.agents.iter().all(|a| !a.live.contains(r)));
+                if stayers_ended {
+                    tracing::info!(
+                        "the application finished while resize {} was switching; its new node worlds will be ended",
+                        f.seq
+                    );
+                    self.drop_abandoned().await;
+                }
+            }
             Phase::Releasing { .. } => {
                 let live: usize = self.agents.iter().map(|a| a.live.intersection(&f.leaving).count()).sum();
                 let agents_left = self
