@@ -16,7 +16,9 @@
 //! before the change began (before new processes started, for a growth). The solver prints the overlapped iterations, ω and the move's
 //! duration; the figure of each cell is the median over the repetitions. The same job
 //! without `--background` gives the time the solver is stopped for the same move (the
-//! report's `redistribute` phase), shown beside it.
+//! report's `redistribute` phase), shown beside it. The move is paced as the ranks'
+//! `DUCTILE_BACKGROUND_SHARE` says (inherited from the bench's environment; 0.15 by
+//! default, 1 moves at full speed).
 
 use ductile_suite::paths::{ductile_bin, example};
 use std::process::Command;
@@ -56,7 +58,7 @@ fn job(method: &str, (from, to): (u32, u32), background: bool) -> Run {
     let out = cmd
         .arg("--")
         .arg(example("jacobi"))
-        .args(["--background", "--points", "1048576", "--iters", "400", "--every", "1", "--table-mib", "256"])
+        .args(["--background", "--points", "1048576", "--iters", "2500", "--every", "1", "--table-mib", "256"])
         .output()
         .expect("start ductile run");
     let text = String::from_utf8_lossy(&out.stdout);

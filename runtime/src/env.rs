@@ -6,6 +6,7 @@
 //! | `DUCTILE_SPIN_US` | how long a blocking wait spins before parking, µs | [`DEFAULT_SPIN_US`] |
 //! | `DUCTILE_THREADS` | progress threads per process | [`DEFAULT_THREADS`] |
 //! | `DUCTILE_TIMEOUT` | timeout of every wait of a standalone process, s (launched ranks get theirs from the launcher) | [`DEFAULT_TIMEOUT_SECS`] |
+//! | `DUCTILE_BACKGROUND_SHARE` | share of the time a background redistribution may keep the processes busy, in (0, 1]; 1 moves at full speed | [`DEFAULT_BACKGROUND_SHARE`] |
 //! | `DUCTILE_MALLOC_TUNING` | `0` leaves glibc's allocator settings alone (see `init`) | `1` |
 //! | `DUCTILE_CONTROL_FD` | set by the agent: the control channel's descriptor | unset (standalone) |
 
@@ -13,6 +14,11 @@ use std::time::Duration;
 
 /// Default spin time of a blocking wait, µs.
 pub const DEFAULT_SPIN_US: u64 = 1000;
+/// Default share of the time a background redistribution may keep busy. Measured with
+/// `benches/overlap.rs` on 2 cores that the solver fills: at full speed a move slows
+/// the solver's iterations 3-6 × (ω); at 0.15 the move takes about 4 × longer and ω
+/// stays near 1.5 or below (docs/BENCHMARKS.md).
+pub const DEFAULT_BACKGROUND_SHARE: f64 = 0.15;
 /// Default number of progress threads.
 pub const DEFAULT_THREADS: usize = 1;
 /// Default timeout of every wait, seconds.
@@ -31,6 +37,8 @@ pub struct EnvSettings {
     pub control_fd: Option<i32>,
     /// Whether `init` tunes the allocator for large messages.
     pub malloc_tuning: bool,
+    /// Share of the time a background redistribution may keep busy, in (0, 1].
+    pub background_share: f64,
 }
 
 fn parse<T: std::str::FromStr>(name: &str) -> Result<Option<T>, String> {
@@ -51,7 +59,12 @@ impl EnvSettings {
         if threads == 0 {
             return Err("DUCTILE_THREADS must be at least 1".into());
         }
+        let background_share = parse::<f64>("DUCTILE_BACKGROUND_SHARE")?.unwrap_or(DEFAULT_BACKGROUND_SHARE);
+        if !(background_share > 0.0 && background_share <= 1.0) {
+            return Err(format!("DUCTILE_BACKGROUND_SHARE must be in (0, 1], not {background_share}"));
+        }
         Ok(Self {
+            background_share,
             spin: Duration::from_micros(parse("DUCTILE_SPIN_US")?.unwrap_or(DEFAULT_SPIN_US)),
             threads,
             timeout: Duration::from_secs(parse("DUCTILE_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT_SECS)),

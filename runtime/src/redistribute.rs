@@ -23,6 +23,10 @@
 //!
 //! The new block is allocated once at its final size and filled in place; the old block
 //! is shared with the transport as `Bytes` without a copy.
+//!
+//! A move in the background is paced ([`Pacer`]): one segment in flight per target, and
+//! a pause after each so that the move keeps the processes busy only a share of the
+//! time (`DUCTILE_BACKGROUND_SHARE`), leaving the cores to the computation it overlaps.
 
 use crate::error::{Error, Result};
 use crate::group::AsyncGroup;
@@ -48,6 +52,9 @@ pub const WINDOW: usize = 4;
 pub const ROUND_BUDGET: usize = 16 << 20;
 /// Smallest collective segment.
 const MIN_ROUND_SEGMENT: usize = 1 << 20;
+/// Longest pause of a paced background move after one segment, so that a segment
+/// slowed by something else (a descheduled source) does not stall the move for long.
+const MAX_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How registered data travels at a reconfiguration.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -109,6 +116,46 @@ pub(crate) struct Move<'a> {
     pub tag: Tag,
     /// Runtime tag of this item's "done reading" notices.
     pub done_tag: Tag,
+    /// For a move in the background, the share of time it may keep busy (see
+    /// [`Pacer`]); `None` moves at full speed.
+    pub share: Option<f64>,
+}
+
+/// Spaces out the segments of a background move: after a segment that took `t` (from
+/// the previous one), the member waits `t * (1 - share) / share` before asking for the
+/// next, so the move keeps its processes busy about `share` of the time and leaves the
+/// rest to the computation it overlaps. Waiting delays the move, not the application:
+/// on a node whose cores the application already fills, a move at full speed takes its
+/// CPU time from the solver one for one (ω ≈ 3 for 2 → 1 on 2 cores).
+struct Pacer {
+    share: Option<f64>,
+    since: std::time::Instant,
+}
+
+impl Pacer {
+    fn new(share: Option<f64>) -> Self {
+        Self { share: share.filter(|s| *s > 0.0 && *s < 1.0), since: std::time::Instant::now() }
+    }
+
+    /// How many segments may be in flight: one when pacing (segments already granted
+    /// would arrive at full speed, however long the pauses between grants), else
+    /// `full`.
+    fn window(&self, full: usize) -> usize {
+        if self.share.is_some() {
+            1
+        } else {
+            full
+        }
+    }
+
+    /// A segment is done: wait as the share asks.
+    async fn segment_done(&mut self) {
+        if let Some(s) = self.share {
+            let rest = self.since.elapsed().mul_f64((1.0 - s) / s);
+            tokio::time::sleep(rest.min(MAX_PAUSE)).await;
+        }
+        self.since = std::time::Instant::now();
+    }
 }
 
 impl Move<'_> {
@@ -202,8 +249,10 @@ impl Move<'_> {
         // Grants, round-robin over the sources so that all of them keep sending.
         let mut grants =
             round_robin(&pending.iter().map(|(src, segs)| (*src, segs.len())).collect::<Vec<_>>()).into_iter();
+        let mut pacer = Pacer::new(self.share);
+        let window = pacer.window(WINDOW);
         let fill = async {
-            for src in grants.by_ref().take(WINDOW) {
+            for src in grants.by_ref().take(window) {
                 t.send_tagged(src, self.done_tag, Bytes::new()).await?;
             }
             while left > 0 {
@@ -216,6 +265,7 @@ impl Move<'_> {
                 place(block, seg, &b, st.source)?;
                 drop(b);
                 left -= 1;
+                pacer.segment_done().await;
                 if let Some(src) = grants.next() {
                     t.send_tagged(src, self.done_tag, Bytes::new()).await?;
                 }
@@ -244,7 +294,14 @@ impl Move<'_> {
         // the largest overlap there can be, which is no larger than the largest block.
         let largest = |n: u32| self.global.div_ceil(u64::from(n.max(1)));
         let rounds = segments(0..self.bytes(largest(self.old_n).min(largest(self.new_n))), seg_len).count();
+        // Rounds hold every member back to the slowest, so one member paces them all.
+        // (If every member paced, each would count the others' pauses as its own work
+        // and pause longer, round after round.)
+        let mut pacer = Pacer::new(self.share.filter(|_| self.t.rank() == 0));
         for round in 0..rounds {
+            if round > 0 {
+                pacer.segment_done().await;
+            }
             let blocks = out.iter().map(|segs| segs.get(round).map_or_else(Bytes::new, |r| old.slice(r.clone())));
             let got = self.t.alltoallv_bytes(blocks.collect()).await?;
             if let Some(block) = new.as_deref_mut() {
@@ -293,9 +350,11 @@ impl Move<'_> {
                     });
                 }
             }
-            let mut done = stream::iter(gets).buffer_unordered(GETS_IN_FLIGHT);
+            let mut pacer = Pacer::new(self.share);
+            let mut done = stream::iter(gets).buffer_unordered(pacer.window(GETS_IN_FLIGHT));
             while let Some((seg, src, bytes)) = done.try_next().await? {
                 place(block, seg, &bytes, src)?;
+                pacer.segment_done().await;
             }
             let drained = sources.iter().map(|&k| t.send_tagged(k, self.done_tag, Bytes::new()));
             try_join_all(drained).await?;
@@ -346,4 +405,37 @@ fn window_id(b: &[u8], src: usize) -> Result<WindowId> {
         src,
     })?;
     Ok(WindowId(u32::from_le_bytes(raw)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap()
+    }
+
+    #[test]
+    fn a_paced_move_pauses_in_proportion_to_its_work_one_segment_at_a_time() {
+        let mut p = Pacer::new(Some(0.5));
+        assert_eq!(p.window(WINDOW), 1);
+        // 20 ms of work at a share of one half: 20 ms of pause.
+        p.since = Instant::now() - Duration::from_millis(20);
+        let t = Instant::now();
+        rt().block_on(p.segment_done());
+        assert!(t.elapsed() >= Duration::from_millis(19), "paused {:?}", t.elapsed());
+    }
+
+    #[test]
+    fn an_unpaced_move_never_pauses() {
+        for share in [None, Some(1.0), Some(0.0)] {
+            let mut p = Pacer::new(share);
+            assert_eq!(p.window(WINDOW), WINDOW);
+            p.since = Instant::now() - Duration::from_secs(60);
+            let t = Instant::now();
+            rt().block_on(p.segment_done());
+            assert!(t.elapsed() < Duration::from_secs(10), "{share:?} paused {:?}", t.elapsed());
+        }
+    }
 }

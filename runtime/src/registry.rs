@@ -281,7 +281,7 @@ impl Registry {
         method: Method,
         variable_only: bool,
     ) -> Result<()> {
-        let plan = Plan::new(parts, new_pos, t.rank());
+        let plan = Plan::new(parts, new_pos, t.rank(), None);
         for i in 0..self.entries.len() {
             let Some((global, elem, own)) = self.distributed(i) else { continue };
             if variable_only && matches!(self.entries[i].kind, Kind::Distributed { constant: true, .. }) {
@@ -295,16 +295,18 @@ impl Registry {
     }
 
     /// Starts moving the constant items in the background over `t` (a group of the
-    /// transition's members with a context of its own): their old blocks stay readable
-    /// until [`Registry::install`] takes the new ones. Returns what the task needs.
+    /// transition's members with a context of its own), keeping the processes busy about
+    /// `share` of the time: their old blocks stay readable until [`Registry::install`]
+    /// takes the new ones. Returns what the task needs.
     pub(crate) fn start_background(
         &mut self,
         t: AsyncGroup,
         parts: Parts,
         new_pos: &[Option<u32>],
         method: Method,
+        share: f64,
     ) -> impl std::future::Future<Output = Result<Moved>> + Send + 'static {
-        let plan = Plan::new(parts, new_pos, t.rank());
+        let plan = Plan::new(parts, new_pos, t.rank(), Some(share));
         let mut work = Vec::new();
         for i in 0..self.entries.len() {
             let Some((global, elem, own)) = self.distributed(i) else { continue };
@@ -352,20 +354,22 @@ impl Registry {
 /// Where this member stands in a change, for every item's move.
 struct Plan {
     parts: Parts,
+    /// The share of time a background move may keep busy; `None` for a blocking move.
+    share: Option<f64>,
     my_new: Option<u32>,
     /// Transition member of each new rank.
     member_of_new: Vec<usize>,
 }
 
 impl Plan {
-    fn new(parts: Parts, new_pos: &[Option<u32>], me: usize) -> Self {
+    fn new(parts: Parts, new_pos: &[Option<u32>], me: usize, share: Option<f64>) -> Self {
         let mut member_of_new = vec![0usize; parts.new_n as usize];
         for (k, p) in new_pos.iter().enumerate() {
             if let Some(slot) = p.and_then(|p| member_of_new.get_mut(p as usize)) {
                 *slot = k;
             }
         }
-        Self { parts, my_new: new_pos.get(me).copied().flatten(), member_of_new }
+        Self { parts, share, my_new: new_pos.get(me).copied().flatten(), member_of_new }
     }
 
     /// Moves item `i` from `old` (this member's old block) and returns its new block.
@@ -389,6 +393,7 @@ impl Plan {
             my_new: self.my_new,
             tag: Tag(REGISTRY_TAG | index),
             done_tag: Tag(REGISTRY_DONE_TAG | index),
+            share: self.share,
         };
         let mut block = self.my_new.map(|n| {
             let r = block_range(global, self.parts.new_n, n);

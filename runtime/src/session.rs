@@ -67,6 +67,9 @@ pub struct Session {
     released: bool,
     /// Constant items move in the background (`--background`).
     background: bool,
+    /// The share of time a background move may keep the processes busy
+    /// (`DUCTILE_BACKGROUND_SHARE`).
+    background_share: f64,
     /// A change whose constant items are moving in the background.
     moving: Option<Moving>,
 }
@@ -417,6 +420,7 @@ impl Session {
             last_change: None,
             released: false,
             background: h.background,
+            background_share: env.background_share,
             moving: None,
         })
     }
@@ -669,7 +673,7 @@ impl Session {
             prep.tpos,
             self.timeout,
         )?;
-        let work = self.registry.start_background(g, prep.parts, &prep.new_pos, self.method);
+        let work = self.registry.start_background(g, prep.parts, &prep.new_pos, self.method, self.background_share);
         let task = rt.spawn(work);
         let m = Moving { change: c, prep, task, started: Instant::now(), seen_done: None };
         let old = m.prep.tpos < m.prep.parts.old_n as usize;
