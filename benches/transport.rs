@@ -118,6 +118,26 @@ fn rank_main(mode: &str, iters: u64, size: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Fewest iterations one job runs, for small and large messages. Each criterion sample
+/// is a whole job (start-up outside the timed loop) and criterion asks for only a few
+/// iterations per sample (1-10 here, as it counts the job's start-up in its warm-up),
+/// which would time the transient after the job's barrier instead of the steady state;
+/// so every job runs at least this many and its time is scaled to what criterion
+/// asked for. `fi_pingpong` also needs it: it times a fixed start-up of about 10 ms
+/// inside its loop.
+const MIN_SMALL: u64 = 20_000;
+const MIN_LARGE: u64 = 200;
+
+/// The iterations a job runs when criterion asks for `iters` of `size` bytes.
+fn runs(iters: u64, size: usize) -> u64 {
+    iters.max(if size <= 4096 { MIN_SMALL } else { MIN_LARGE })
+}
+
+/// The time of `runs` iterations scaled to `iters`.
+fn scaled(d: Duration, runs: u64, iters: u64) -> Duration {
+    d.mul_f64(iters as f64 / runs as f64)
+}
+
 fn parse_elapsed(out: &std::process::Output, what: &str) -> Duration {
     let text = String::from_utf8_lossy(&out.stdout);
     let ns = text
@@ -129,6 +149,7 @@ fn parse_elapsed(out: &std::process::Output, what: &str) -> Duration {
 }
 
 fn ductile_job(b: &Backend, mode: &str, iters: u64, size: usize) -> Duration {
+    let n = runs(iters, size);
     let me = std::env::current_exe().expect("bench executable path");
     let mut cmd = Command::new(ductile_bin());
     cmd.args(["run", "-n", "2", "--nodes", "2", "--timeout", "600", "--transport", b.name]);
@@ -138,11 +159,11 @@ fn ductile_job(b: &Backend, mode: &str, iters: u64, size: usize) -> Duration {
     let out = cmd
         .arg("--")
         .arg(me)
-        .args(["--rank", mode, &iters.to_string(), &size.to_string()])
+        .args(["--rank", mode, &n.to_string(), &size.to_string()])
         .output()
         .expect("start ductile run");
     assert!(out.status.success(), "ductile job failed: {out:?}");
-    parse_elapsed(&out, "ductile job")
+    scaled(parse_elapsed(&out, "ductile job"), n, iters)
 }
 
 fn mpi_job(peer: &PathBuf, btl: &str, mode: &str, iters: u64, size: usize) -> Duration {
@@ -151,17 +172,14 @@ fn mpi_job(peer: &PathBuf, btl: &str, mode: &str, iters: u64, size: usize) -> Du
     if btl.contains("tcp") {
         cmd.args(["--mca", "btl_tcp_if_include", "lo"]);
     }
-    let out = cmd.arg(peer).args([mode, &iters.to_string(), &size.to_string()]).output().expect("start mpirun");
+    let n = runs(iters, size);
+    let out = cmd.arg(peer).args([mode, &n.to_string(), &size.to_string()]).output().expect("start mpirun");
     assert!(out.status.success(), "mpirun failed: {out:?}");
-    parse_elapsed(&out, "Open MPI peer")
+    scaled(parse_elapsed(&out, "Open MPI peer"), n, iters)
 }
 
 /// `fi_pingpong` over `provider`: server and client on loopback; the time of `iters`
 /// one-way transfers of `size` bytes as the client reports it (`usec/xfer`).
-/// Fewest fi_pingpong transfers per run for small and large messages.
-const FI_MIN_SMALL: u64 = 20_000;
-const FI_MIN_LARGE: u64 = 200;
-
 fn fi_job(provider: &str, domain: &str, iters: u64, size: usize) -> Duration {
     let mut args = vec!["-p", provider, "-e", "rdm"];
     if !domain.is_empty() {
@@ -169,9 +187,9 @@ fn fi_job(provider: &str, domain: &str, iters: u64, size: usize) -> Duration {
     }
     // fi_pingpong's own figure carries a fixed start-up cost inside its timed loop
     // (about 10 ms: 1 ms per transfer at -I 10, 5.6 µs at -I 10000 over tcp), so it is
-    // run long enough for that to vanish and its per-transfer time is scaled to `iters`.
-    let runs = iters.max(if size <= 4096 { FI_MIN_SMALL } else { FI_MIN_LARGE });
-    let (iters_s, size_s) = (runs.to_string(), size.to_string());
+    // run long enough for that to vanish (see `runs`) and its per-transfer time is
+    // scaled to `iters`.
+    let (iters_s, size_s) = (runs(iters, size).to_string(), size.to_string());
     args.extend(["-I", &iters_s, "-S", &size_s]);
     let mut server = Command::new("fi_pingpong")
         .args(&args)
