@@ -207,8 +207,10 @@ fn fi_job(provider: &str, domain: &str, iters: u64, size: usize) -> Duration {
             break;
         }
     }
+    let server_pid = server.id();
     let _ = server.kill();
     let _ = server.wait();
+    remove_shm_regions(server_pid);
     let out = out.unwrap_or_else(|| panic!("fi_pingpong -p {provider} never connected"));
     let text = String::from_utf8_lossy(&out.stdout);
     // Last line: bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec
@@ -219,6 +221,18 @@ fn fi_job(provider: &str, domain: &str, iters: u64, size: usize) -> Duration {
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or_else(|| panic!("fi_pingpong printed no usec/xfer: {text}"));
     Duration::from_secs_f64(usec * 1e-6 * iters as f64)
+}
+
+/// Removes the shared-memory regions libfabric's shm provider made for process `pid`
+/// (`/dev/shm/<pid>:...`): a server that had to be killed cannot remove its own.
+fn remove_shm_regions(pid: u32) {
+    let prefix = format!("{pid}:");
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
+    for entry in dir.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 fn have_fi_pingpong() -> bool {
