@@ -134,7 +134,7 @@ impl Inner {
     /// `Hello` must leave within the connect timeout (the provider may have to connect
     /// first), the rest take at most the handshake timeout.
     pub(super) async fn connect(&self, dst: Rank) -> Result<(), TransportError> {
-        let step = lock(&self.sessions).dial(dst, &self.name, Instant::now())?;
+        let step = lock(&self.sessions).dial(dst, &self.name, Instant::now)?;
         let (connect, handshake) = (self.cfg.get_connect_timeout(), self.cfg.get_handshake_timeout());
         let rx = match step {
             Dial::Ready => return Ok(()),

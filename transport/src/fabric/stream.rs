@@ -9,7 +9,8 @@
 use super::wire::Head;
 use crate::ids::{Context, Rank, Tag};
 use bytes::Bytes;
-use std::collections::{BTreeMap, HashMap};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
 
 /// How far ahead of the next expected message a sequence number may run.
 const MAX_AHEAD: u64 = 1 << 20;
@@ -38,7 +39,7 @@ struct Stream {
 /// The streams of every source; see the module docs.
 #[derive(Default)]
 pub(super) struct Streams {
-    map: HashMap<(Rank, u64), Stream>,
+    map: FxHashMap<(Rank, u64), Stream>,
 }
 
 /// Items ready for delivery, in order, with their source rank.

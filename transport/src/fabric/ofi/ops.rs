@@ -15,7 +15,8 @@ use super::{Ep, OfiError, Posted};
 use crate::error::TransportError;
 use crate::fabric::sys;
 use crate::ids::Rank;
-use std::collections::{HashMap, VecDeque};
+use rustc_hash::FxHashMap;
+use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -74,7 +75,7 @@ struct Waiting {
 /// The table of operations in flight and the backlog; see the module docs.
 #[derive(Default)]
 pub(in crate::fabric) struct Ops {
-    slots: Mutex<HashMap<usize, Slot>>,
+    slots: Mutex<FxHashMap<usize, Slot>>,
     backlog: Mutex<VecDeque<Waiting>>,
     /// Whether the backlog may hold posts: set under its lock when one is queued,
     /// cleared under it when it empties, so polls skip the lock (and the clock) when

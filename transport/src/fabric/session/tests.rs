@@ -17,7 +17,7 @@ fn pair(dkey: u8, lkey: u8) -> (Sessions, Sessions) {
 }
 
 fn start(d: &mut Sessions, now: Instant) -> (Msg, oneshot::Receiver<DialResult>) {
-    match d.dial(Rank(0), b"d-name", now).unwrap() {
+    match d.dial(Rank(0), b"d-name", || now).unwrap() {
         Dial::Start(20, hello, rx) => (hello, rx),
         _ => panic!("expected a new dial to address 20"),
     }
@@ -28,7 +28,7 @@ fn a_full_handshake_agrees_on_tokens_both_ways() {
     let now = Instant::now();
     let (mut d, mut l) = pair(3, 3);
     let (hello, mut rx) = start(&mut d, now);
-    assert!(matches!(d.dial(Rank(0), b"d-name", now).unwrap(), Dial::Wait(_)));
+    assert!(matches!(d.dial(Rank(0), b"d-name", || now).unwrap(), Dial::Wait(_)));
     let challenge = l.on_hello(10, false, &hello, now).unwrap();
     let (to_l, proof) = d.on_challenge(&challenge, now).expect("a proof");
     assert_eq!(to_l, 20);
@@ -46,7 +46,7 @@ fn a_full_handshake_agrees_on_tokens_both_ways() {
     assert_eq!(l.heard(d_to_l.token), Some(Rank(1)));
     assert_ne!(d_to_l.token, l_to_d.token);
     assert_eq!(l.heard(d_to_l.token ^ 1), None, "a guessed token names nobody");
-    assert!(matches!(d.dial(Rank(0), b"d-name", now).unwrap(), Dial::Ready));
+    assert!(matches!(d.dial(Rank(0), b"d-name", || now).unwrap(), Dial::Ready));
 }
 
 #[test]
@@ -89,7 +89,7 @@ fn hellos_of_other_jobs_and_bad_ranks_are_refused_and_joiners_learnt() {
     // A joiner (no route yet) that proves the key gets a route and a stream.
     let mut j = Sessions::new(me(5, 3));
     j.route(Rank(0), Some(20));
-    let Dial::Start(_, hello, _) = j.dial(Rank(0), b"joiner", now).unwrap() else { panic!() };
+    let Dial::Start(_, hello, _) = j.dial(Rank(0), b"joiner", || now).unwrap() else { panic!() };
     let challenge = l.on_hello(55, true, &hello, now).unwrap();
     let (_, proof) = j.on_challenge(&challenge, now).unwrap();
     assert_eq!(l.on_proof(&proof, now).unwrap().unwrap().0, Rank(5));
@@ -132,5 +132,5 @@ fn silence_leads_to_pings_then_loss_and_stale_handshakes_expire() {
     assert_eq!(expired.unused, vec![77]);
     let expired = d2.tick(later(2000), Duration::from_secs(1));
     assert!(expired.unused.is_empty());
-    assert!(matches!(d2.dial(Rank(0), b"d-name", later(2000)).unwrap(), Dial::Start(..)), "the stale dial is gone");
+    assert!(matches!(d2.dial(Rank(0), b"d-name", || later(2000)).unwrap(), Dial::Start(..)), "the stale dial is gone");
 }
