@@ -392,7 +392,8 @@ impl Session {
         membership: Membership,
     ) -> Result<Self> {
         let timeout = Duration::from_millis(h.timeout_ms);
-        let world = Self::world_of(&rt, env.spin, &endpoint, &membership, timeout)?;
+        let spin = env.spin_for(endpoint.transport().capabilities());
+        let world = Self::world_of(&rt, spin, &endpoint, &membership, timeout)?;
         let info = JobInfo {
             job: h.job,
             node: h.node,
@@ -404,7 +405,7 @@ impl Session {
         tracing::debug!("{} (rank {} of {}) joined job {} on {}", h.id, world.rank(), world.size(), h.job, h.node);
         Ok(Self {
             world,
-            spin: env.spin,
+            spin,
             timeout,
             info,
             endpoint,

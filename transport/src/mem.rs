@@ -47,7 +47,7 @@ impl Transport for MemTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { tagged: true, one_sided: true }
+        Capabilities { tagged: true, one_sided: true, polled: false }
     }
 
     fn local_addr(&self) -> EndpointAddr {

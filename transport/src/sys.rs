@@ -35,3 +35,37 @@ pub(crate) fn send_vectored_nonblocking(fd: RawFd, bufs: &[std::io::IoSlice<'_>]
     }
     Ok(n as usize)
 }
+
+/// The MTU of the local route to `peer` as the kernel knows it (`IP_MTU` on a connected
+/// UDP socket; nothing is sent): 65536 on loopback, 65520 on IPoIB in connected mode,
+/// 9000 on a jumbo-frame link. None where the kernel cannot tell.
+pub(crate) fn route_mtu(peer: std::net::SocketAddr) -> Option<u32> {
+    use std::net::{Ipv4Addr, Ipv6Addr, UdpSocket};
+    use std::os::fd::AsRawFd;
+    let (any, level, name) = if peer.is_ipv4() {
+        ((Ipv4Addr::UNSPECIFIED, 0).into(), libc::IPPROTO_IP, libc::IP_MTU)
+    } else {
+        ((Ipv6Addr::UNSPECIFIED, 0).into(), libc::IPPROTO_IPV6, libc::IPV6_MTU)
+    };
+    let any: std::net::SocketAddr = any;
+    let socket = UdpSocket::bind(any).ok()?;
+    socket.connect(peer).ok()?;
+    let mut mtu: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: a valid socket; `mtu` and `len` describe a c_int the kernel writes into.
+    let rc = unsafe { libc::getsockopt(socket.as_raw_fd(), level, name, (&raw mut mtu).cast(), &raw mut len) };
+    (rc == 0).then(|| u32::try_from(mtu).ok()).flatten().filter(|&m| m > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_route_to_loopback_has_a_large_mtu() {
+        // Linux gives loopback an MTU of 65536; the quic backend relies on large routes
+        // being recognised to send large datagrams.
+        let mtu = route_mtu("127.0.0.1:9".parse().unwrap()).expect("the loopback route's MTU");
+        assert!(mtu >= 16 << 10, "loopback MTU {mtu}");
+    }
+}

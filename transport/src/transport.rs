@@ -38,6 +38,10 @@ pub struct Capabilities {
     pub tagged: bool,
     /// One-sided reads from remote windows.
     pub one_sided: bool,
+    /// An application thread that calls [`Transport::progress`] while it waits moves the
+    /// backend's data itself (tcp, fabric). Otherwise the backend's own tasks do all of
+    /// it, and a waiting thread that spins only takes their processor.
+    pub polled: bool,
 }
 
 /// A message transport backend.

@@ -2,12 +2,13 @@
 //! dialer, reading its messages, and serving its gets.
 
 use super::wire::{self, close};
-use super::Inner;
+use super::{tls, Inner};
 use crate::auth;
 use crate::error::{FrameError, TransportError};
 use crate::frame::{FrameHeader, FrameKind, FrameLimits};
 use crate::ids::Rank;
 use crate::matching::{Envelope, PeerEnd};
+use crate::sys;
 use crate::window::{self, GetRequest, REQUEST_LEN};
 use bytes::Bytes;
 use quinn::{Connection, Incoming, RecvStream, SendStream};
@@ -58,7 +59,10 @@ async fn serve_connection(inner: Arc<Inner>, incoming: Incoming) {
 /// returns the connection, the dialer's rank, and the stream its frames come on.
 async fn authenticate(inner: &Inner, incoming: Incoming) -> Result<(Connection, Rank, RecvStream), String> {
     let connect = inner.cfg.get_connect_timeout();
-    let conn = match timeout(connect, incoming).await {
+    let mut server = inner.server.clone();
+    server.transport_config(tls::transport_config(sys::route_mtu(incoming.remote_address()))?);
+    let connecting = incoming.accept_with(Arc::new(server)).map_err(|e| format!("TLS handshake failed: {e}"))?;
+    let conn = match timeout(connect, connecting).await {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => return Err(format!("TLS handshake failed: {e}")),
         Err(_) => return Err(format!("no TLS handshake within {connect:?}")),

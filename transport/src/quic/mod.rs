@@ -67,7 +67,8 @@ struct Inner {
     mailbox: Arc<Mailbox>,
     endpoint: quinn::Endpoint,
     local: PeerAddr,
-    transport: Arc<quinn::TransportConfig>,
+    /// The accepting side's settings, given a transport config for each incoming route.
+    server: quinn::ServerConfig,
     peers: RwLock<Vec<Option<PeerAddr>>>,
     out: Mutex<HashMap<Rank, Slot>>,
     windows: WindowTable,
@@ -93,11 +94,13 @@ impl QuicTransport {
         let setup_err = |what: String| bind_err(std::io::Error::other(what));
         let runtime = quinn::default_runtime().ok_or_else(|| setup_err("no tokio runtime is running".into()))?;
         let cert = Certificate::generate().map_err(|e| setup_err(format!("certificate: {e}")))?;
-        let transport = tls::transport_config().map_err(setup_err)?;
-        let server = tls::server_config(&cert, transport.clone()).map_err(setup_err)?;
+        let server = tls::server_config(&cert, tls::transport_config(None).map_err(setup_err)?).map_err(setup_err)?;
         let socket = std::net::UdpSocket::bind((host, 0)).map_err(bind_err)?;
-        let endpoint =
-            quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(server), socket, runtime).map_err(bind_err)?;
+        // Receive datagrams as large as any route can carry (the receive buffers are
+        // sized for them; see tls::transport_config for who sends them).
+        let mut config = quinn::EndpointConfig::default();
+        config.max_udp_payload_size(tls::LARGEST_DATAGRAM).map_err(|e| setup_err(e.to_string()))?;
+        let endpoint = quinn::Endpoint::new(config, Some(server.clone()), socket, runtime).map_err(bind_err)?;
         let local = PeerAddr { addr: endpoint.local_addr().map_err(bind_err)?, fingerprint: cert.fingerprint() };
         let inner = Arc::new(Inner {
             me: setup.identity,
@@ -105,7 +108,7 @@ impl QuicTransport {
             mailbox: setup.mailbox,
             endpoint,
             local,
-            transport,
+            server,
             peers: RwLock::new(Vec::new()),
             out: Mutex::new(HashMap::new()),
             windows: WindowTable::new(),
@@ -202,7 +205,7 @@ impl Transport for QuicTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { tagged: true, one_sided: true }
+        Capabilities { tagged: true, one_sided: true, polled: false }
     }
 
     fn local_addr(&self) -> EndpointAddr {

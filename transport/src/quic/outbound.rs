@@ -8,6 +8,7 @@ use crate::auth::{self, HandshakeError};
 use crate::error::{FrameError, TransportError};
 use crate::frame::{FrameHeader, FrameKind, FrameLimits, HEADER_LEN};
 use crate::ids::Rank;
+use crate::sys;
 use crate::window::{self, GetRequest, REFUSAL_LEN, REQUEST_LEN};
 use bytes::Bytes;
 use quinn::{Connection, ConnectionError, SendStream, WriteError};
@@ -127,7 +128,8 @@ impl Inner {
             peers.get(dst.index()).copied().flatten().ok_or(TransportError::UnknownPeer(dst))?
         };
         let setup_err = |e: String| TransportError::io(dst, std::io::Error::other(e));
-        let client = tls::client_config(peer.fingerprint, self.transport.clone()).map_err(setup_err)?;
+        let transport = tls::transport_config(sys::route_mtu(peer.addr)).map_err(setup_err)?;
+        let client = tls::client_config(peer.fingerprint, transport).map_err(setup_err)?;
         let connecting = self
             .endpoint
             .connect_with(client, peer.addr, tls::SERVER_NAME)

@@ -125,9 +125,25 @@ fn provider() -> Arc<CryptoProvider> {
 /// A rustls or quinn setup error, as text.
 pub(super) type SetupError = String;
 
-/// The quinn transport settings of every connection: windows sized for bulk traffic and
-/// keep-alives with a short idle timeout, so a dead peer is noticed within seconds.
-pub(super) fn transport_config() -> Result<Arc<quinn::TransportConfig>, SetupError> {
+/// Routes whose MTU is at least this large (loopback's 65536, IPoIB's 65520) carry one
+/// large datagram per system call. On smaller routes datagrams stay small and are batched
+/// with segmentation offload (GSO). Measured on loopback, 4 MiB messages: 60 KB
+/// datagrams 3.2 GiB/s, 6.5 KB with GSO 2.2, 16 KB without GSO 2.5, the default
+/// 1452-byte ones with GSO 1.3.
+const LARGE_ROUTE_MTU: u32 = 16 << 10;
+/// The largest datagram looked for on a batched route: quinn hands the kernel at most 10
+/// segments in one GSO send, and the whole send must fit in 64 KiB.
+const LARGEST_SEGMENT: u16 = 6500;
+/// The largest UDP payload over IPv6 (and, with room to spare, IPv4).
+pub(super) const LARGEST_DATAGRAM: u16 = 65_527;
+/// IPv6 and UDP headers, the larger family's, taken off a route's MTU.
+const HEADERS: u32 = 48;
+
+/// The quinn transport settings of a connection over a route whose MTU is `route_mtu`
+/// (None: unknown): windows sized for bulk traffic, keep-alives with a short idle timeout
+/// so a dead peer is noticed within seconds, and datagrams sized for the route (MTU
+/// discovery still confirms that the path carries them).
+pub(super) fn transport_config(route_mtu: Option<u32>) -> Result<Arc<quinn::TransportConfig>, SetupError> {
     let mut t = quinn::TransportConfig::default();
     t.max_idle_timeout(Some(IDLE_TIMEOUT.try_into().map_err(|e| format!("idle timeout: {e}"))?))
         .keep_alive_interval(Some(KEEP_ALIVE))
@@ -138,6 +154,17 @@ pub(super) fn transport_config() -> Result<Arc<quinn::TransportConfig>, SetupErr
         .max_concurrent_uni_streams(0u32.into())
         .initial_rtt(INITIAL_RTT)
         .datagram_receive_buffer_size(None);
+    if let Some(mtu) = route_mtu {
+        let payload = u16::try_from(mtu.saturating_sub(HEADERS)).unwrap_or(u16::MAX);
+        let large = mtu >= LARGE_ROUTE_MTU;
+        let upper = if large { payload.min(LARGEST_DATAGRAM) } else { payload.min(LARGEST_SEGMENT) };
+        let mut discovery = quinn::MtuDiscoveryConfig::default();
+        // Below quinn's default bound of 1452 the route is unusual; leave it to quinn.
+        if upper > 1452 {
+            discovery.upper_bound(upper);
+        }
+        t.mtu_discovery_config(Some(discovery)).enable_segmentation_offload(!large);
+    }
     Ok(Arc::new(t))
 }
 
@@ -278,7 +305,7 @@ mod tests {
         let a = Certificate::generate().unwrap();
         let b = Certificate::generate().unwrap();
         assert_ne!(a.fingerprint(), b.fingerprint());
-        let t = transport_config().unwrap();
+        let t = transport_config(None).unwrap();
         server_config(&a, t.clone()).unwrap();
         client_config(b.fingerprint(), t).unwrap();
     }

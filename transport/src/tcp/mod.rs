@@ -294,7 +294,7 @@ impl Transport for TcpTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { tagged: true, one_sided: true }
+        Capabilities { tagged: true, one_sided: true, polled: true }
     }
 
     fn local_addr(&self) -> EndpointAddr {
