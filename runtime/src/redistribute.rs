@@ -385,7 +385,7 @@ fn place(block: &mut [u8], seg: Range<usize>, b: &[u8], src: usize) -> Result<()
     if b.len() != seg.len() {
         return Err(Error::LengthMismatch { what: "redistribution", expected: seg.len(), got: b.len(), src });
     }
-    block[seg].copy_from_slice(b);
+    crate::block::fill(&mut block[seg], b);
     Ok(())
 }
 
