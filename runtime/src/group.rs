@@ -15,7 +15,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::runtime::Handle;
 
 /// What a receive got: who sent it, with which tag, how many bytes.
@@ -258,9 +258,8 @@ impl Group {
     /// bounded by the group's timeout; a timeout names what the call waited for.
     pub(crate) fn block<T, F: std::future::Future<Output = Result<T>>>(&self, f: F) -> Result<T> {
         let core = &self.inner.core;
-        let deadline = Instant::now() + core.timeout;
         let ep = &core.endpoint;
-        match ep.blocking_call(|| crate::blocking::block_on(&self.handle, self.spin, deadline, ep, f)) {
+        match ep.blocking_call(|| crate::blocking::block_on(&self.handle, self.spin, core.timeout, ep, f)) {
             Some(r) => r,
             None => {
                 let waited = core.waiting_for.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
