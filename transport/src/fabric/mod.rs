@@ -270,6 +270,10 @@ impl Transport for FabricTransport {
         Box::pin(self.inner.send(dst, ctx, tag, payload))
     }
 
+    fn send_at_once(&self, dst: Rank, ctx: Context, tag: Tag, payload: &[u8]) -> bool {
+        self.inner.send_at_once(dst, ctx, tag, payload)
+    }
+
     fn close(&self) -> BoxFuture<'_, ()> {
         Box::pin(self.inner.close())
     }

@@ -212,6 +212,18 @@ impl Sessions {
         Some((To { fi_addr: t.fi_addr, token: t.token }, head))
     }
 
+    /// Offers where to send to `rank` and the next head of the stream to it to `send`,
+    /// and takes that head only if `send` used it (returned true). False without a
+    /// stream.
+    pub(super) fn send_next(&mut self, rank: Rank, send: impl FnOnce(To, Head) -> bool) -> bool {
+        let Some(t) = self.tx.get_mut(&rank) else { return false };
+        let sent = send(To { fi_addr: t.fi_addr, token: t.token }, Head { stream: t.stream, seq: t.next });
+        if sent {
+            t.next += 1;
+        }
+        sent
+    }
+
     /// Where to send to `rank`, if a stream exists.
     pub(super) fn to(&self, rank: Rank) -> Option<To> {
         self.tx.get(&rank).map(|t| To { fi_addr: t.fi_addr, token: t.token })

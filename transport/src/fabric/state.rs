@@ -224,6 +224,21 @@ impl Inner {
         rx.await.unwrap_or(Err(TransportError::Closed))
     }
 
+    /// Sends a small message to a peer with a stream at once, if the provider takes it
+    /// without waiting (inject): true if sent. Otherwise nothing was taken, not even a
+    /// sequence number, and the caller sends with [`Inner::send`], which also reports
+    /// any error.
+    pub(super) fn send_at_once(&self, dst: Rank, ctx: Context, tag: Tag, payload: &[u8]) -> bool {
+        if self.closed.load(Ordering::Acquire) || payload.len() as u64 > self.cfg.get_max_payload() {
+            return false;
+        }
+        // The post happens under the sessions lock that hands out the sequence number,
+        // as in `send`.
+        lock(&self.sessions).send_next(dst, |to, head| {
+            matches!(self.inject_data(dst, to, &Msg::Data { head, ctx, tag }, payload), Ok(true))
+        })
+    }
+
     /// Delivers the in-order items of an arrival from `rank` (`item`: see
     /// [`Streams::arrive`]; `filled`: a rendezvous read completed instead). Delivery
     /// happens under the streams lock, so that two threads reading completions cannot
