@@ -16,10 +16,11 @@ use std::time::Duration;
 /// moves itself while it spins (tcp, fabric; see `Capabilities::polled`).
 pub const DEFAULT_SPIN_US: u64 = 1000;
 /// Default spin time of a blocking wait, µs, with a backend whose own tasks move all data
-/// (quic). Spinning only waits for them, and on a full node takes their processor: over
-/// quic on 2 cores, 4 MiB messages moved at 1.4 GiB/s with a 1000 µs spin and 2.8 with
-/// 50 µs, while the 8 B round trip was the same (35 µs one way; 47 µs without spinning).
-pub const UNPOLLED_SPIN_US: u64 = 50;
+/// (quic). Spinning only waits for them, and on a full node takes their processor. Over
+/// quic on 2 cores (single runs, 4 MiB stream and 8 B one-way): 1000 µs gave 1.4 GiB/s
+/// and 35 µs, 400 µs 2.1-2.4 and 35, 100 µs 2.65 and 33-35, 50 µs 2.6-2.7 and 47-56
+/// (a reply after ~70 µs then finds the thread asleep).
+pub const UNPOLLED_SPIN_US: u64 = 100;
 /// Default share of the time a background redistribution may keep busy. Measured with
 /// `benches/overlap.rs` on 2 cores that the solver fills: at full speed a move slows
 /// the solver's iterations 3-6 × (ω); at 0.15 the move takes about 4 × longer and ω
