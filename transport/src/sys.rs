@@ -57,6 +57,22 @@ pub(crate) fn route_mtu(peer: std::net::SocketAddr) -> Option<u32> {
     (rc == 0).then(|| u32::try_from(mtu).ok()).flatten().filter(|&m| m > 0)
 }
 
+/// Asks for socket buffers of `bytes` each way: past `net.core.rmem_max`/`wmem_max` if
+/// the process may (`SO_RCVBUFFORCE`, root), else capped there by the kernel. A refusal
+/// leaves the defaults.
+pub(crate) fn set_socket_buffers(fd: RawFd, bytes: usize) {
+    let v = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    let set = |opt| {
+        // SAFETY: a valid socket and a c_int option value that outlives the call.
+        unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, opt, (&raw const v).cast(), size_of::<libc::c_int>() as _) }
+    };
+    for (forced, capped) in [(libc::SO_RCVBUFFORCE, libc::SO_RCVBUF), (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF)] {
+        if set(forced) != 0 {
+            let _ = set(capped);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -67,5 +83,30 @@ mod tests {
         // being recognised to send large datagrams.
         let mtu = route_mtu("127.0.0.1:9".parse().unwrap()).expect("the loopback route's MTU");
         assert!(mtu >= 16 << 10, "loopback MTU {mtu}");
+    }
+
+    #[test]
+    fn socket_buffers_only_grow() {
+        use std::os::fd::AsRawFd;
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let rcvbuf = || {
+            let mut v: libc::c_int = 0;
+            let mut len = size_of::<libc::c_int>() as libc::socklen_t;
+            // SAFETY: a valid socket; `v` and `len` describe a c_int.
+            let rc = unsafe {
+                libc::getsockopt(
+                    socket.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_RCVBUF,
+                    (&raw mut v).cast(),
+                    &raw mut len,
+                )
+            };
+            assert_eq!(rc, 0);
+            v
+        };
+        let before = rcvbuf();
+        set_socket_buffers(socket.as_raw_fd(), 4 << 20);
+        assert!(rcvbuf() >= before, "{} < {before}", rcvbuf());
     }
 }

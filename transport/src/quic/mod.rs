@@ -58,6 +58,12 @@ mod wire;
 
 const NAME: &str = "quic";
 
+/// The UDP socket buffers asked for, each way. A 4 MiB message is 64 datagrams of 64 KB
+/// on loopback, and Linux's default 208 KiB holds three: a burst then loses datagrams and
+/// the congestion controller backs off. Over loopback, 4 MiB gets ran at 0.46-2.33 GiB/s
+/// without and 2.45-2.57 with (single runs).
+const SOCKET_BUFFER: usize = 4 << 20;
+
 /// The connection to one peer, behind a lock held while it is being opened.
 type Slot = Arc<tokio::sync::Mutex<Option<Arc<Outbound>>>>;
 
@@ -96,6 +102,7 @@ impl QuicTransport {
         let cert = Certificate::generate().map_err(|e| setup_err(format!("certificate: {e}")))?;
         let server = tls::server_config(&cert, tls::transport_config(None).map_err(setup_err)?).map_err(setup_err)?;
         let socket = std::net::UdpSocket::bind((host, 0)).map_err(bind_err)?;
+        crate::sys::set_socket_buffers(std::os::fd::AsRawFd::as_raw_fd(&socket), SOCKET_BUFFER);
         // Receive datagrams as large as any route can carry (the receive buffers are
         // sized for them; see tls::transport_config for who sends them).
         let mut config = quinn::EndpointConfig::default();
