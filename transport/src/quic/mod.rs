@@ -24,6 +24,11 @@
 //!   owner's tokio task for that connection answers with a reply frame (a slice of the
 //!   window, no copy) or a refusal frame, so the owner's application thread takes no
 //!   part and gets need no request ids.
+//! - **Datagrams** (`tls::transport_config`): sized for the kernel's route to each peer.
+//!   On loopback-like routes (MTU ≥ 16 KiB) one datagram of up to 64 KB per system
+//!   call, elsewhere segmentation offload with segments of at most 6.5 KB; MTU
+//!   discovery confirms each size, and the socket asks for 4 MiB buffers so that a
+//!   message's burst of large datagrams is not dropped.
 //! - **Ends**: `close()` writes a goodbye frame on every outbound stream, waits (within
 //!   the handshake timeout) until peers have acknowledged it, and closes every
 //!   connection with the goodbye code; peers then fail waiting receives with

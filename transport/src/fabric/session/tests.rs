@@ -50,6 +50,28 @@ fn a_full_handshake_agrees_on_tokens_both_ways() {
 }
 
 #[test]
+fn a_send_at_once_takes_a_sequence_number_only_when_it_sent() {
+    let now = Instant::now();
+    let (mut d, mut l) = pair(3, 3);
+    assert!(!l.send_next(Rank(1), |_, _| panic!("no stream yet")));
+    let (hello, _rx) = start(&mut d, now);
+    let challenge = l.on_hello(10, false, &hello, now).unwrap();
+    let (_, proof) = d.on_challenge(&challenge, now).expect("a proof");
+    l.on_proof(&proof, now).unwrap().unwrap();
+    let mut seen = Vec::new();
+    assert!(!l.send_next(Rank(1), |to, head| {
+        seen.push((to.fi_addr, head.seq));
+        false
+    }));
+    assert!(l.send_next(Rank(1), |to, head| {
+        seen.push((to.fi_addr, head.seq));
+        true
+    }));
+    assert_eq!(seen, [(10, 0), (10, 0)], "a declined head is offered again");
+    assert_eq!(l.next_head(Rank(1)).unwrap().1.seq, 1);
+}
+
+#[test]
 fn a_wrong_key_fails_on_both_sides() {
     let now = Instant::now();
     let (mut d, mut l) = pair(3, 4);
