@@ -66,13 +66,19 @@ pub(crate) fn block_on<F: Future>(
         }
         // Most calls (a send that leaves at once, a message already there) never wait
         // and never read the clock.
-        let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
+        let deadline = *deadline.get_or_insert_with(|| far_or(Instant::now(), timeout));
         if !wait(&flag, spin, deadline, progress) {
             break None;
         }
     };
     FLAG.set(Some(flag));
     out
+}
+
+/// `now + timeout`, or a century away for a timeout too large to add (a huge
+/// `DUCTILE_TIMEOUT` means "wait as long as it takes", not a panic).
+fn far_or(now: Instant, timeout: Duration) -> Instant {
+    now.checked_add(timeout).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
 }
 
 /// Progress made by a waiting thread: the transport's polling.
@@ -175,5 +181,13 @@ mod tests {
             inner
         };
         assert_eq!(block_on(rt.handle(), Duration::ZERO, far, &(), outer), Some(Some(5)));
+        // A timeout too large to add to the clock waits, it does not panic.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        rt.spawn(async move {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            tx.send(1).unwrap();
+        });
+        assert_eq!(block_on(rt.handle(), Duration::ZERO, Duration::MAX, &(), rx).unwrap().unwrap(), 1);
+        assert!(far_or(Instant::now(), Duration::MAX) > Instant::now() + Duration::from_secs(1 << 30));
     }
 }

@@ -3,7 +3,7 @@
 //! | variable | meaning | default |
 //! |---|---|---|
 //! | `DUCTILE_LOG` | `tracing` filter for the runtime's logs | `warn` |
-//! | `DUCTILE_SPIN_US` | how long a blocking wait spins before parking, µs | [`DEFAULT_SPIN_US`] with tcp and fabric, [`UNPOLLED_SPIN_US`] with quic |
+//! | `DUCTILE_SPIN_US` | how long a blocking wait spins before parking, µs | [`DEFAULT_SPIN_US`] with tcp and fabric, [`UNPOLLED_SPIN_US`] with quic (and the in-process mem backend) |
 //! | `DUCTILE_THREADS` | progress threads per process | [`DEFAULT_THREADS`] |
 //! | `DUCTILE_TIMEOUT` | timeout of every wait of a standalone process, s (launched ranks get theirs from the launcher) | [`DEFAULT_TIMEOUT_SECS`] |
 //! | `DUCTILE_BACKGROUND_SHARE` | share of the time a background redistribution may keep the processes busy, in (0, 1]; 1 moves at full speed | [`DEFAULT_BACKGROUND_SHARE`] |

@@ -229,7 +229,15 @@ impl Inner {
     /// sequence number, and the caller sends with [`Inner::send`], which also reports
     /// any error.
     pub(super) fn send_at_once(&self, dst: Rank, ctx: Context, tag: Tag, payload: &[u8]) -> bool {
-        if self.closed.load(Ordering::Acquire) || payload.len() as u64 > self.cfg.get_max_payload() {
+        // The same limits as `send`: a message past the eager size goes by rendezvous (the
+        // receivers' buffers hold no more), and one past the inject size cannot leave at
+        // once; neither takes the lock.
+        let len = DATA_HEADER + payload.len();
+        if self.closed.load(Ordering::Acquire)
+            || payload.len() as u64 > self.cfg.get_max_payload()
+            || len > self.eager
+            || len > self.attrs.inject_size
+        {
             return false;
         }
         // The post happens under the sessions lock that hands out the sequence number,
