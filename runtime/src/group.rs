@@ -10,7 +10,7 @@ use crate::pod;
 use bytemuck::Pod;
 use bytes::Bytes;
 use ductile_transport::transport::describe;
-use ductile_transport::{Context, Endpoint, Pattern, Rank, SrcMatch, Tag, TagMatch, TransportError, WindowId};
+use ductile_transport::{Context, Endpoint, Part, Pattern, Rank, SrcMatch, Tag, TagMatch, TransportError, WindowId};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::collections::HashMap;
@@ -158,6 +158,24 @@ impl AsyncGroup {
         }
         // Inside a blocking call, which bounds the whole call.
         Ok(ep.transport().get(from, id, offset, len).await?)
+    }
+
+    /// Reads `into.len()` bytes at `offset` of window `id` exposed by group rank `src`
+    /// straight into `into`, a part of this process's memory, and gives it back holding
+    /// them: [`AsyncGroup::get`] without the new buffer and its copy.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`AsyncGroup::get`]; the part is dropped (its range can be lent again).
+    pub async fn get_into(&self, src: usize, id: WindowId, offset: u64, into: Part) -> Result<Part> {
+        let from = self.member(src)?;
+        let ep = &self.core.endpoint;
+        if self.timed {
+            return Ok(ep.get_into(from, id, offset, into, self.core.timeout).await?);
+        }
+        // Inside a blocking call, which bounds the whole call.
+        Ok(ep.transport().get_into(from, id, offset, into).await?)
     }
 
     fn user_tag(tag: u32) -> Result<Tag> {
@@ -352,6 +370,17 @@ impl Group {
     /// As [`AsyncGroup::get`].
     pub fn get(&self, src: usize, id: WindowId, offset: u64, len: u64) -> Result<Bytes> {
         self.block(self.inner.get(src, id, offset, len))
+    }
+
+    /// Reads a range of window `id` of group rank `src` straight into `into`; see
+    /// [`AsyncGroup::get_into`].
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`AsyncGroup::get`].
+    pub fn get_into(&self, src: usize, id: WindowId, offset: u64, into: Part) -> Result<Part> {
+        self.block(self.inner.get_into(src, id, offset, into))
     }
 
     /// Sends a serde value.

@@ -40,7 +40,7 @@ mod session;
 
 pub use collectives::{PIPELINE_MIN, RING_MIN, SEGMENT};
 pub use ductile_redistrib::block_range;
-pub use ductile_transport::{JobId, NodeId, WindowId};
+pub use ductile_transport::{JobId, Landing, NodeId, Part, WindowId};
 pub use error::{Error, Result};
 pub use group::{AsyncGroup, Group, Status};
 pub use pset::ProcessSet;

@@ -28,6 +28,7 @@
 //! a pause after each so that the move keeps the processes busy only a share of the
 //! time (`DUCTILE_BACKGROUND_SHARE`), leaving the cores to the computation it overlaps.
 
+use crate::block::Aligned;
 use crate::error::{Error, Result};
 use crate::group::AsyncGroup;
 use bytes::Bytes;
@@ -200,10 +201,10 @@ impl Move<'_> {
 
     /// Runs the move with `method`, filling `new` (the new block, `None` for a member
     /// that leaves) from `old` (the old block, empty for a member that joined).
-    pub(crate) async fn run(&self, method: Method, old: Bytes, new: Option<&mut [u8]>) -> Result<()> {
+    pub(crate) async fn run(&self, method: Method, old: Bytes, new: Option<&mut Aligned>) -> Result<()> {
         match method {
-            Method::P2p => self.p2p(old, new).await,
-            Method::Collective => self.collective(old, new).await,
+            Method::P2p => self.p2p(old, new.map(Aligned::bytes_mut)).await,
+            Method::Collective => self.collective(old, new.map(Aligned::bytes_mut)).await,
             Method::Rma => self.rma(old, new).await,
         }
     }
@@ -315,7 +316,7 @@ impl Move<'_> {
         Ok(())
     }
 
-    async fn rma(&self, old: Bytes, new: Option<&mut [u8]>) -> Result<()> {
+    async fn rma(&self, old: Bytes, new: Option<&mut Aligned>) -> Result<()> {
         let (t, me) = (self.t, self.t.rank());
         let remote: Vec<(usize, Range<usize>)> = self.sends().into_iter().filter(|(k, _)| *k != me).collect();
         let window = if remote.is_empty() { None } else { Some(t.expose(old.clone())?) };
@@ -329,6 +330,9 @@ impl Move<'_> {
         };
         let read = async {
             let (Some(plan), Some(block)) = (self.drain(), new) else { return Ok::<(), Error>(()) };
+            // Gets write straight into the new block, each segment into its own part.
+            let landing = std::mem::take(block).into_landing().ok_or_else(|| plan_error("block size"))?;
+            let lend = |seg: Range<usize>| landing.part(seg).ok_or_else(|| plan_error("overlapping segments"));
             let first = block_range(self.global, self.new_n, self.my_new.unwrap_or(0)).start;
             let mut gets = Vec::new();
             let mut sources = Vec::new();
@@ -337,7 +341,7 @@ impl Move<'_> {
                 let src_first = block_range(self.global, self.old_n, src as u32).start;
                 let at = self.bytes(first + plan.displs[src] - src_first);
                 if src == me {
-                    block[range.clone()].copy_from_slice(&old[at..at + range.len()]);
+                    crate::block::fill(lend(range.clone())?.as_mut_slice(), &old[at..at + range.len()]);
                     continue;
                 }
                 let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
@@ -345,17 +349,20 @@ impl Move<'_> {
                 sources.push(src);
                 for seg in segments(range.clone(), SEGMENT) {
                     let offset = (at + seg.start - range.start) as u64;
+                    let mut part = lend(seg)?;
                     gets.push(async move {
-                        Ok::<_, Error>((seg.clone(), src, t.get(src, id, offset, seg.len() as u64).await?))
+                        crate::block::populate(part.as_mut_slice());
+                        t.get_into(src, id, offset, part).await
                     });
                 }
             }
             let mut pacer = Pacer::new(self.share);
             let mut done = stream::iter(gets).buffer_unordered(pacer.window(GETS_IN_FLIGHT));
-            while let Some((seg, src, bytes)) = done.try_next().await? {
-                place(block, seg, &bytes, src)?;
+            while let Some(part) = done.try_next().await? {
+                drop(part);
                 pacer.segment_done().await;
             }
+            *block = Aligned::from_landing(landing).ok_or_else(|| plan_error("a get still holds the block"))?;
             let drained = sources.iter().map(|&k| t.send_tagged(k, self.done_tag, Bytes::new()));
             try_join_all(drained).await?;
             Ok(())

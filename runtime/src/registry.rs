@@ -399,7 +399,7 @@ impl Plan {
             let r = block_range(global, self.parts.new_n, n);
             Aligned::zeroed(usize::try_from((r.end - r.start) * elem).unwrap_or(usize::MAX))
         });
-        mv.run(method, old, block.as_mut().map(Aligned::bytes_mut)).await?;
+        mv.run(method, old, block.as_mut()).await?;
         Ok(block.unwrap_or_default())
     }
 }

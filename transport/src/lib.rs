@@ -22,6 +22,7 @@ pub mod error;
 pub mod fabric;
 pub mod frame;
 pub mod ids;
+pub mod landing;
 pub mod matching;
 pub mod mem;
 #[cfg(feature = "quic")]
@@ -34,6 +35,7 @@ pub mod window;
 pub use config::TransportConfig;
 pub use error::{AuthError, FrameError, TransportError};
 pub use ids::{Context, JobId, JobKey, NodeId, Rank, Tag};
+pub use landing::{Landing, Part};
 pub use matching::{Envelope, Mailbox, Pattern, SrcMatch, TagMatch};
 pub use transport::{bind, BoxFuture, Capabilities, Endpoint, EndpointAddr, PendingRecv, Transport, TransportSetup};
 pub use window::{WindowError, WindowId};

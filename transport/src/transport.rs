@@ -5,6 +5,7 @@ use crate::auth::Identity;
 use crate::config::TransportConfig;
 use crate::error::TransportError;
 use crate::ids::{Context, Rank, Tag};
+use crate::landing::Part;
 use crate::matching::{Envelope, Mailbox, Pattern, Posting};
 use crate::window::WindowId;
 use bytes::Bytes;
@@ -124,6 +125,29 @@ pub trait Transport: Send + Sync + 'static {
         let _ = (dst, id, offset, len);
         let name = self.name();
         Box::pin(async move { Err(TransportError::Unsupported { transport: name, what: "one-sided windows" }) })
+    }
+
+    /// Reads `into.len()` bytes at `offset` of `dst`'s window `id` into `into`, and gives
+    /// the part back holding them: like [`Transport::get`], without a new buffer. A
+    /// backend that can, writes the bytes in place as they arrive; the default copies a
+    /// [`Transport::get`]'s buffer. Dropping the future abandons the get (a backend
+    /// still writing keeps the part until it is done).
+    fn get_into(
+        &self,
+        dst: Rank,
+        id: WindowId,
+        offset: u64,
+        mut into: Part,
+    ) -> BoxFuture<'_, Result<Part, TransportError>> {
+        Box::pin(async move {
+            let got = self.get(dst, id, offset, into.len() as u64).await?;
+            if got.len() != into.len() {
+                let what = format!("replied with {} bytes to a get of {}", got.len(), into.len());
+                return Err(TransportError::Window { peer: dst, what });
+            }
+            into.as_mut_slice().copy_from_slice(&got);
+            Ok(into)
+        })
     }
 }
 
@@ -330,12 +354,33 @@ impl Endpoint {
     ) -> Result<Bytes, TransportError> {
         match tokio::time::timeout(timeout, self.transport.get(dst, id, offset, len)).await {
             Ok(r) => r,
-            Err(_) => Err(TransportError::Timeout {
-                what: format!("a get of {len} bytes at {offset} of {id} of {dst}"),
-                after: timeout,
-            }),
+            Err(_) => Err(get_timeout(dst, id, offset, len, timeout)),
         }
     }
+
+    /// Reads `into.len()` bytes at `offset` of `dst`'s window `id` into `into`, within
+    /// `timeout`; see [`Transport::get_into`].
+    ///
+    /// # Errors
+    /// As [`Endpoint::get`].
+    pub async fn get_into(
+        &self,
+        dst: Rank,
+        id: WindowId,
+        offset: u64,
+        into: Part,
+        timeout: Duration,
+    ) -> Result<Part, TransportError> {
+        let len = into.len() as u64;
+        match tokio::time::timeout(timeout, self.transport.get_into(dst, id, offset, into)).await {
+            Ok(r) => r,
+            Err(_) => Err(get_timeout(dst, id, offset, len, timeout)),
+        }
+    }
+}
+
+fn get_timeout(dst: Rank, id: WindowId, offset: u64, len: u64, after: Duration) -> TransportError {
+    TransportError::Timeout { what: format!("a get of {len} bytes at {offset} of {id} of {dst}"), after }
 }
 
 /// Text naming what a receive waited for.

@@ -12,15 +12,15 @@
 //! gets in flight ([`GetTable`]), and the wire encoding of a get request and of its
 //! failure. Backends carry requests and replies their own way.
 
-use crate::error::TransportError;
-use crate::ids::Rank;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
-use tokio::sync::oneshot;
+
+mod gets;
+pub use gets::{await_get, await_landed, GetTable, Got};
 
 /// A window's id, chosen by the endpoint that exposes it; unique on that endpoint for
 /// its lifetime (ids are never reused).
@@ -219,109 +219,6 @@ impl WindowTable {
     }
 }
 
-/// What a get resolves to.
-pub type GetResult = Result<Bytes, TransportError>;
-
-struct Pending {
-    peer: Rank,
-    len: u64,
-    done: oneshot::Sender<GetResult>,
-}
-
-/// A reader's gets in flight, by request id.
-#[derive(Default)]
-pub struct GetTable {
-    next: AtomicU64,
-    pending: Mutex<HashMap<u64, Pending>>,
-}
-
-impl GetTable {
-    /// An empty table.
-    #[must_use]
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Registers a get of `len` bytes from `peer`; returns its request id and the
-    /// receiver its reply completes.
-    pub fn start(&self, peer: Rank, len: u64) -> (u64, oneshot::Receiver<GetResult>) {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        lock(&self.pending).insert(id, Pending { peer, len, done: tx });
-        (id, rx)
-    }
-
-    /// Completes request `id` with data (checked against the length asked for) or a
-    /// refusal. A reply to an unknown request, or from the wrong peer, is reported as
-    /// an error and changes nothing.
-    ///
-    /// # Errors
-    /// The reply does not belong to a get in flight.
-    pub fn complete(&self, from: Rank, id: u64, reply: Result<Bytes, WindowError>) -> Result<(), String> {
-        let mut pending = lock(&self.pending);
-        match pending.get(&id) {
-            Some(p) if p.peer == from => {}
-            Some(_) | None => return Err(format!("{from} replied to get request {id}, which is not in flight to it")),
-        }
-        let p = pending.remove(&id).ok_or_else(|| "checked above".to_string())?;
-        drop(pending);
-        let res = match reply {
-            Ok(data) if data.len() as u64 == p.len => Ok(data),
-            Ok(data) => Err(TransportError::Window {
-                peer: from,
-                what: format!("replied with {} bytes to a get of {}", data.len(), p.len),
-            }),
-            Err(e) => Err(TransportError::Window { peer: from, what: e.to_string() }),
-        };
-        let _ = p.done.send(res);
-        Ok(())
-    }
-
-    /// Withdraws a get whose caller gave up (timeout or dropped future).
-    pub fn cancel(&self, id: u64) {
-        lock(&self.pending).remove(&id);
-    }
-
-    /// Fails every get in flight to `peer` (its connection is gone).
-    pub fn fail_peer(&self, peer: Rank, err: impl Fn() -> TransportError) {
-        let mut pending = lock(&self.pending);
-        let ids: Vec<u64> = pending.iter().filter(|(_, p)| p.peer == peer).map(|(id, _)| *id).collect();
-        for id in ids {
-            if let Some(p) = pending.remove(&id) {
-                let _ = p.done.send(Err(err()));
-            }
-        }
-    }
-
-    /// Fails every get in flight (the endpoint closes).
-    pub fn fail_all(&self) {
-        for (_, p) in lock(&self.pending).drain() {
-            let _ = p.done.send(Err(TransportError::Closed));
-        }
-    }
-
-    /// Number of gets in flight.
-    #[must_use]
-    pub fn in_flight(&self) -> usize {
-        lock(&self.pending).len()
-    }
-}
-
-/// Waits for a started get, withdrawing it from `table` if the wait is dropped.
-pub async fn await_get(table: &GetTable, id: u64, rx: oneshot::Receiver<GetResult>) -> GetResult {
-    struct Guard<'a> {
-        table: &'a GetTable,
-        id: u64,
-    }
-    impl Drop for Guard<'_> {
-        fn drop(&mut self) {
-            self.table.cancel(self.id);
-        }
-    }
-    let _guard = Guard { table, id };
-    rx.await.unwrap_or(Err(TransportError::Closed))
-}
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Critical sections here leave the maps consistent, so a poisoned lock is usable.
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -354,23 +251,6 @@ mod tests {
         let a = t.expose(Bytes::new());
         t.withdraw(a).unwrap();
         assert_ne!(t.expose(Bytes::new()), a);
-    }
-
-    #[tokio::test]
-    async fn replies_complete_only_their_own_get() {
-        let g = GetTable::new();
-        let (id, rx) = g.start(Rank(1), 3);
-        assert!(g.complete(Rank(2), id, Ok(Bytes::from_static(b"abc"))).is_err());
-        assert!(g.complete(Rank(1), id + 1, Ok(Bytes::from_static(b"abc"))).is_err());
-        g.complete(Rank(1), id, Ok(Bytes::from_static(b"abc"))).unwrap();
-        assert_eq!(&rx.await.unwrap().unwrap()[..], b"abc");
-        let (id, rx) = g.start(Rank(1), 3);
-        g.complete(Rank(1), id, Ok(Bytes::from_static(b"ab"))).unwrap();
-        assert!(matches!(rx.await.unwrap(), Err(TransportError::Window { .. })));
-        let (_, rx) = g.start(Rank(4), 3);
-        g.fail_peer(Rank(4), || TransportError::PeerLost(Rank(4)));
-        assert!(matches!(rx.await.unwrap(), Err(TransportError::PeerLost(Rank(4)))));
-        assert_eq!(g.in_flight(), 0);
     }
 
     proptest! {

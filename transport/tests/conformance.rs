@@ -13,8 +13,8 @@ use bytes::Bytes;
 use ductile_transport::auth::Identity;
 use ductile_transport::matching::{Pattern, SrcMatch, TagMatch};
 use ductile_transport::{
-    bind, Context, Endpoint, JobId, JobKey, Mailbox, Rank, Tag, TransportConfig, TransportError, TransportSetup,
-    WindowId,
+    bind, Context, Endpoint, JobId, JobKey, Landing, Mailbox, Rank, Tag, TransportConfig, TransportError,
+    TransportSetup, WindowId,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -198,6 +198,10 @@ async fn a_dead_peer_is_an_error_not_a_hang(b: Backend) {
     assert!(!matches!(err, TransportError::Timeout { .. }), "{err}");
     let err = one.get(Rank(0), window, 0, 1 << 20, limit).await.unwrap_err();
     assert!(err.to_string().contains("rank 0"), "{err}");
+    let landing = Landing::new(vec![0; 1 << 17], 1 << 20).unwrap();
+    let part = landing.part(0..1 << 20).unwrap();
+    let err = one.get_into(Rank(0), window, 0, part, limit).await.unwrap_err();
+    assert!(err.to_string().contains("rank 0"), "{err}");
     assert!(started.elapsed() < 2 * limit);
     // The survivors carry on.
     one.send(Rank(2), Context(0), Tag(1), Bytes::from_static(b"alive")).await.unwrap();
@@ -235,6 +239,40 @@ async fn gets_read_exact_ranges_of_exposed_windows(b: Backend) {
         let k = k as usize;
         assert!(got.unwrap()[..] == want[k * 4096..(k + 1) * 4096]);
     }
+    close_all(&eps).await;
+}
+
+async fn gets_land_in_place(b: Backend) {
+    let eps = b.job(3, 1);
+    let n = 3 << 20;
+    let w = eps[1].expose(body(n, 5)).unwrap();
+    let want = body(n, 5);
+    // Reads of every size, from a peer and from the owner itself, into one landing laid
+    // out as the window; 1 MiB goes past the TCP reader's small-frame buffer.
+    let ranges = [0..7, 7..7, 7..4096, 4096..(1 << 20) + 4096, (1 << 20) + 4096..2 << 20, (2 << 20)..n];
+    for reader in [0usize, 1] {
+        let landing = Landing::new(vec![0; n / 8], n).unwrap();
+        let gets: Vec<_> = ranges
+            .iter()
+            .map(|r| {
+                let (part, ep) = (landing.part(r.clone()).unwrap(), eps[reader].clone());
+                tokio::spawn(async move { ep.get_into(Rank(1), w, part.range().start as u64, part, T).await })
+            })
+            .collect();
+        for get in gets {
+            let part = get.await.unwrap().unwrap();
+            assert!(part.as_slice() == &want[part.range()], "{:?} read by {reader}", part.range());
+        }
+        let words = Landing::into_words(landing).unwrap_or_else(|_| panic!("a part is still out"));
+        let got: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        assert!(got == want[..], "the whole landing read by {reader}");
+    }
+    // A refused get gives its part's range back.
+    let landing = Landing::new(vec![0; 2], 16).unwrap();
+    let err = eps[0].get_into(Rank(1), w, n as u64 - 8, landing.part(0..16).unwrap(), T).await.unwrap_err();
+    assert!(err.to_string().contains("outside"), "{err}");
+    let part = eps[2].get_into(Rank(1), w, 100, landing.part(0..16).unwrap(), T).await.unwrap();
+    assert_eq!(part.as_slice(), &want[100..116]);
     close_all(&eps).await;
 }
 
@@ -289,6 +327,7 @@ macro_rules! conformance {
             case!(goodbye_fails_waiting_receives_at_once);
             case!(a_dead_peer_is_an_error_not_a_hang);
             case!(gets_read_exact_ranges_of_exposed_windows);
+            case!(gets_land_in_place);
             case!(gets_outside_a_window_are_refused_clearly);
         }
     };

@@ -57,6 +57,7 @@
 
 use crate::error::TransportError;
 use crate::ids::{Context, Rank, Tag};
+use crate::landing::Part;
 use crate::transport::{BoxFuture, Capabilities, EndpointAddr, Transport, TransportSetup};
 use crate::window::{GetTable, WindowId, WindowTable};
 use bytes::Bytes;
@@ -306,6 +307,16 @@ impl Transport for FabricTransport {
 
     fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> BoxFuture<'_, Result<Bytes, TransportError>> {
         Box::pin(self.inner.get(dst, id, offset, len))
+    }
+
+    fn get_into(
+        &self,
+        dst: Rank,
+        id: WindowId,
+        offset: u64,
+        into: Part,
+    ) -> BoxFuture<'_, Result<Part, TransportError>> {
+        Box::pin(self.inner.get_into(dst, id, offset, into))
     }
 }
 

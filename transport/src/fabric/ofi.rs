@@ -22,7 +22,7 @@ mod ops;
 
 pub(super) use ep::Posted;
 pub(super) use info::{Attrs, Info};
-pub(super) use mem::{LocalBuf, ReadDest, Registrar, Remote, RemoteKey};
+pub(super) use mem::{LocalBuf, ReadDest, ReadMem, Registrar, Remote, RemoteKey};
 pub(super) use ops::{lock, Op, Ops, SendDone};
 
 /// The libfabric API version the backend is written against: `FI_VERSION(1, 17)`.

@@ -10,7 +10,7 @@
 //! and the backlog of posts that met a full queue.
 
 use super::ofi::{lock, Op};
-use super::ofi::{Completion, LocalBuf};
+use super::ofi::{Completion, LocalBuf, ReadMem};
 use super::session::To;
 use super::state::Inner;
 use super::stream::Item;
@@ -312,7 +312,7 @@ impl Inner {
             return self.arrive(rank, head, Some(Item::Data { ctx, tag, payload: Bytes::new() }), true);
         }
         let read = match lock(&self.sessions).addr_of(rank) {
-            Some(src) => self.start_transfer(rank, src, region, 0, n, purpose),
+            Some(src) => self.start_transfer(rank, src, region, 0, ReadMem::zeroed(n), purpose),
             None => Err("no address".into()),
         };
         if let Err(e) = read {

@@ -8,14 +8,15 @@
 //! or whose peer is gone keeps its buffer until its chunks complete (or the endpoint
 //! closes): the provider may still be writing into it.
 
-use super::ofi::{lock, ReadDest, Registrar};
+use super::ofi::{lock, ReadDest, ReadMem, Registrar};
 use super::rma::{decode_desc, DESC_LEN};
 use super::state::Inner;
 use super::stream::Item;
 use super::wire::{Head, Msg, Region};
 use crate::error::TransportError;
 use crate::ids::{Context, Rank, Tag};
-use crate::window::{await_get, GetRequest, WindowError, WindowId};
+use crate::landing::Part;
+use crate::window::{await_get, GetRequest, Got, WindowError, WindowId};
 use bytes::Bytes;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -27,7 +28,7 @@ pub(super) enum Purpose {
     /// A rendezvous message: its place in its stream and the sender's payload id.
     Message { head: Head, ctx: Context, tag: Tag, id: u64 },
     /// A get: its waiter, and the lease to release when done.
-    Get { done: oneshot::Sender<Result<Bytes, TransportError>>, lease: u64 },
+    Get { done: oneshot::Sender<Result<Got, TransportError>>, lease: u64 },
     /// Nobody waits any more.
     Abandoned,
 }
@@ -76,19 +77,21 @@ impl Transfers {
 }
 
 impl Inner {
-    /// Starts reading `len` (> 0) bytes at `offset` of `region` at `src` (`peer`).
+    /// Starts reading `mem.len()` (> 0) bytes at `offset` of `region` at `src` (`peer`)
+    /// into `mem`.
     pub(super) fn start_transfer(
         &self,
         peer: Rank,
         src: u64,
         region: &Region,
         offset: u64,
-        len: usize,
+        mem: ReadMem,
         purpose: Purpose,
     ) -> Result<(), String> {
+        let len = mem.len();
         let base = region.addr.checked_add(offset).filter(|b| b.checked_add(len as u64).is_some());
         let base = base.ok_or("the range overflows the address space")?;
-        let dest = self.registrar.read_dest(len).map_err(|e| e.to_string())?;
+        let dest = self.registrar.read_dest(mem).map_err(|e| e.to_string())?;
         let (key, mapped) = self.registrar.peer_key(region)?;
         let mapped = mapped.then_some(key);
         let chunks = len.div_ceil(self.chunk);
@@ -145,14 +148,23 @@ impl Inner {
             self.registrar.unmap(k);
         }
         // Every read into `dest` is done: the completions of all its chunks were read.
-        let buf = ReadDest::take(dest).unwrap_or_else(|| {
-            error.get_or_insert_with(|| "a read buffer still in use".into());
-            Vec::new()
-        });
+        let got = match ReadDest::take(dest) {
+            Some(ReadMem::New(v)) => Got::Bytes(Bytes::from(v)),
+            Some(ReadMem::Part(p)) => Got::Landed(p),
+            None => {
+                error.get_or_insert_with(|| "a read buffer still in use".into());
+                Got::Bytes(Bytes::new())
+            }
+        };
         match (purpose, error) {
             (Purpose::Message { head, ctx, tag, id }, None) => {
                 self.reply(peer, &Msg::Fin { id });
-                self.arrive(peer, head, Some(Item::Data { ctx, tag, payload: Bytes::from(buf) }), true);
+                let payload = match got {
+                    Got::Bytes(b) => b,
+                    // Messages are read into new buffers.
+                    Got::Landed(p) => Bytes::copy_from_slice(p.as_slice()),
+                };
+                self.arrive(peer, head, Some(Item::Data { ctx, tag, payload }), true);
             }
             (Purpose::Message { .. }, Some(e)) => {
                 let why = format!("reading a rendezvous message failed: {e}");
@@ -161,20 +173,52 @@ impl Inner {
             (Purpose::Get { done, lease }, error) => {
                 self.reply(peer, &Msg::Release { req: lease });
                 let failed = |e| TransportError::Window { peer, what: format!("the read failed: {e}") };
-                let _ = done.send(error.map_or(Ok(Bytes::from(buf)), |e| Err(failed(e))));
+                let _ = done.send(error.map_or(Ok(got), |e| Err(failed(e))));
             }
             (Purpose::Abandoned, _) => {}
         }
     }
 
-    /// Reads a range of `dst`'s window `id`; see the module docs.
+    /// Reads a range of `dst`'s window `id` into a new buffer; see the module docs.
     pub(super) async fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> Result<Bytes, TransportError> {
+        match self.get_with(dst, id, offset, len, None).await? {
+            Got::Bytes(b) => Ok(b),
+            // Not for a get without a part; handled anyway.
+            Got::Landed(p) => Ok(Bytes::copy_from_slice(p.as_slice())),
+        }
+    }
+
+    /// Reads a range of `dst`'s window `id` straight into `into`.
+    pub(super) async fn get_into(
+        &self,
+        dst: Rank,
+        id: WindowId,
+        offset: u64,
+        into: Part,
+    ) -> Result<Part, TransportError> {
+        let len = into.len() as u64;
+        match self.get_with(dst, id, offset, len, Some(into)).await? {
+            Got::Landed(p) => Ok(p),
+            // A get with a part completes with it.
+            Got::Bytes(_) => Err(TransportError::Closed),
+        }
+    }
+
+    /// A get of `len` bytes, into `into` (of that length) if given.
+    async fn get_with(
+        &self,
+        dst: Rank,
+        id: WindowId,
+        offset: u64,
+        len: u64,
+        into: Option<Part>,
+    ) -> Result<Got, TransportError> {
         if self.closed.load(std::sync::atomic::Ordering::Acquire) {
             return Err(TransportError::Closed);
         }
         let refused = |e: WindowError| TransportError::Window { peer: dst, what: e.to_string() };
         if dst == self.me.rank {
-            return self.windows.read(GetRequest { window: id, offset, len }).map_err(refused);
+            return self.windows.read(GetRequest { window: id, offset, len }).map(|b| landed(into, b)).map_err(refused);
         }
         let (lease, size, region) = self.query(dst, id).await?;
         let fi_addr = lock(&self.sessions).addr_of(dst).ok_or(TransportError::PeerLost(dst))?;
@@ -184,20 +228,21 @@ impl Inner {
             return Err(refused(WindowError::OutOfRange { window: id, offset, len, size }));
         }
         let n = match usize::try_from(len) {
-            Ok(0) | Err(_) => {
+            Ok(0) => {
                 release();
-                // A length that fits the window fits the owner's address space, not
-                // necessarily ours.
-                return if len == 0 {
-                    Ok(Bytes::new())
-                } else {
-                    Err(refused(WindowError::TooLarge { len, cap: usize::MAX as u64 }))
-                };
+                return Ok(landed(into, Bytes::new()));
+            }
+            // A length that fits the window fits the owner's address space, not
+            // necessarily ours.
+            Err(_) => {
+                release();
+                return Err(refused(WindowError::TooLarge { len, cap: usize::MAX as u64 }));
             }
             Ok(n) => n,
         };
+        let mem = into.map_or_else(|| ReadMem::zeroed(n), ReadMem::Part);
         let (tx, rx) = oneshot::channel();
-        if let Err(e) = self.start_transfer(dst, fi_addr, &region, offset, n, Purpose::Get { done: tx, lease }) {
+        if let Err(e) = self.start_transfer(dst, fi_addr, &region, offset, mem, Purpose::Get { done: tx, lease }) {
             release();
             return Err(TransportError::Window { peer: dst, what: e });
         }
@@ -210,13 +255,21 @@ impl Inner {
         self.connect(dst).await?;
         let to = lock(&self.sessions).to(dst).ok_or(TransportError::PeerLost(dst))?;
         let (req, rx) = self.queries.start(dst, DESC_LEN as u64);
-        if let Err(e) = self.post_msg(Some(dst), to, &Msg::Query { req, window: id }, &[], None) {
-            self.queries.cancel(req);
-            return Err(e);
-        }
-        let raw = await_get(&self.queries, req, rx).await?;
+        let sent = self.post_msg(Some(dst), to, &Msg::Query { req, window: id }, &[], None);
+        let raw = await_get(&self.queries, req, rx, std::future::ready(sent)).await?;
         let (size, region) = decode_desc(&raw)
             .ok_or_else(|| TransportError::Window { peer: dst, what: "a malformed window descriptor".into() })?;
         Ok((req, size, region))
+    }
+}
+
+/// A local get's bytes (exactly the range asked for), in `into` if given.
+fn landed(into: Option<Part>, b: Bytes) -> Got {
+    match into {
+        Some(mut p) => {
+            p.as_mut_slice().copy_from_slice(&b);
+            Got::Landed(p)
+        }
+        None => Got::Bytes(b),
     }
 }

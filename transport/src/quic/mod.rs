@@ -43,9 +43,10 @@ use crate::frame::FrameHeader;
 use crate::ids::{Context, Rank, Tag};
 use crate::matching::Mailbox;
 // The poison-tolerant lock helper is shared with the TCP backend.
+use crate::landing::Part;
 use crate::tcp::lock;
 use crate::transport::{BoxFuture, Capabilities, EndpointAddr, Transport, TransportSetup};
-use crate::window::{GetRequest, WindowError, WindowId, WindowTable};
+use crate::window::{GetRequest, Got, WindowError, WindowId, WindowTable};
 use bytes::Bytes;
 use outbound::Outbound;
 use std::collections::HashMap;
@@ -170,20 +171,36 @@ impl Inner {
         out.send(header, payload).await
     }
 
-    async fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> Result<Bytes, TransportError> {
+    /// A get of `len` bytes, into `into` (of that length) if given.
+    async fn get(
+        &self,
+        dst: Rank,
+        id: WindowId,
+        offset: u64,
+        len: u64,
+        into: Option<Part>,
+    ) -> Result<Got, TransportError> {
         if self.is_closed() {
             return Err(TransportError::Closed);
         }
         let req = GetRequest { window: id, offset, len };
         let refused = |e: WindowError| TransportError::Window { peer: dst, what: e.to_string() };
         if dst == self.me.rank {
-            return self.windows.read(req).map_err(refused);
+            let local = self.windows.read(req).map_err(refused)?;
+            return Ok(match into {
+                Some(mut p) => {
+                    // The window table returned exactly the range asked for.
+                    p.as_mut_slice().copy_from_slice(&local);
+                    Got::Landed(p)
+                }
+                None => Got::Bytes(local),
+            });
         }
         let cap = self.cfg.get_max_payload();
         if len > cap {
             return Err(refused(WindowError::TooLarge { len, cap }));
         }
-        self.remote_get(dst, req).await
+        self.remote_get(dst, req, into).await
     }
 
     async fn close(&self) {
@@ -263,7 +280,30 @@ impl Transport for QuicTransport {
     }
 
     fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> BoxFuture<'_, Result<Bytes, TransportError>> {
-        Box::pin(self.inner.get(dst, id, offset, len))
+        Box::pin(async move {
+            match self.inner.get(dst, id, offset, len, None).await? {
+                Got::Bytes(b) => Ok(b),
+                // Not for a get without a part; handled anyway.
+                Got::Landed(p) => Ok(Bytes::copy_from_slice(p.as_slice())),
+            }
+        })
+    }
+
+    fn get_into(
+        &self,
+        dst: Rank,
+        id: WindowId,
+        offset: u64,
+        into: Part,
+    ) -> BoxFuture<'_, Result<Part, TransportError>> {
+        Box::pin(async move {
+            let len = into.len() as u64;
+            match self.inner.get(dst, id, offset, len, Some(into)).await? {
+                Got::Landed(p) => Ok(p),
+                // A get with a part completes with it.
+                Got::Bytes(_) => Err(TransportError::Closed),
+            }
+        })
     }
 }
 

@@ -8,8 +8,9 @@ use crate::auth::{self, HandshakeError};
 use crate::error::{FrameError, TransportError};
 use crate::frame::{FrameHeader, FrameKind, FrameLimits, HEADER_LEN};
 use crate::ids::Rank;
+use crate::landing::Part;
 use crate::sys;
-use crate::window::{self, GetRequest, REFUSAL_LEN, REQUEST_LEN};
+use crate::window::{self, GetRequest, Got, REFUSAL_LEN, REQUEST_LEN};
 use bytes::Bytes;
 use quinn::{Connection, ConnectionError, SendStream, WriteError};
 use std::net::SocketAddr;
@@ -177,7 +178,14 @@ impl Inner {
 
     /// Reads a range of `dst`'s window: the request and its reply travel on a fresh
     /// bidirectional stream of our connection to `dst`.
-    pub(super) async fn remote_get(&self, dst: Rank, req: GetRequest) -> Result<Bytes, TransportError> {
+    /// Asks `dst` for `req`'s range and reads the reply, into `into` (of the request's
+    /// length) if given.
+    pub(super) async fn remote_get(
+        &self,
+        dst: Rank,
+        req: GetRequest,
+        into: Option<Part>,
+    ) -> Result<Got, TransportError> {
         let out = self.outbound(dst).await?;
         let (mut send, mut recv) = out.conn.open_bi().await.map_err(|e| wire::conn_error(dst, &e))?;
         let header = FrameHeader::get(FrameKind::GetRequest, self.me.rank, 0, REQUEST_LEN as u64).encode();
@@ -189,7 +197,13 @@ impl Inner {
         let reply = async {
             let h = wire::read_header(&mut recv, limits).await?;
             match h.kind {
-                FrameKind::GetReply if h.len == req.len => wire::read_payload(&mut recv, dst, h.len).await,
+                FrameKind::GetReply if h.len == req.len => match into {
+                    Some(mut part) => {
+                        wire::read_payload_into(&mut recv, dst, part.as_mut_slice()).await?;
+                        Ok(Got::Landed(part))
+                    }
+                    None => wire::read_payload(&mut recv, dst, h.len).await.map(Got::Bytes),
+                },
                 FrameKind::GetReply => Err(TransportError::Window {
                     peer: dst,
                     what: format!("replied with {} bytes to a get of {}", h.len, req.len),

@@ -63,17 +63,31 @@ fn ended_early(peer: Rank) -> TransportError {
     TransportError::io(peer, io::Error::new(io::ErrorKind::UnexpectedEof, "QUIC stream ended inside a frame"))
 }
 
+/// A failed `read_exact`; `at_start`: no frame had begun.
+fn exact_error(peer: Rank, e: ReadExactError, at_start: bool) -> TransportError {
+    match e {
+        // The stream ended between frames without a goodbye: the peer's writer is gone.
+        ReadExactError::FinishedEarly(0) if at_start => TransportError::PeerLost(peer),
+        ReadExactError::FinishedEarly(_) => ended_early(peer),
+        ReadExactError::ReadError(e) => read_error(peer, e),
+    }
+}
+
 /// Reads one frame header and validates it before anything else is read.
 pub(super) async fn read_header(recv: &mut RecvStream, limits: FrameLimits) -> Result<FrameHeader, TransportError> {
     let peer = limits.peer;
     let mut raw = [0u8; HEADER_LEN];
-    recv.read_exact(&mut raw).await.map_err(|e| match e {
-        // The stream ended between frames without a goodbye: the peer's writer is gone.
-        ReadExactError::FinishedEarly(0) => TransportError::PeerLost(peer),
-        ReadExactError::FinishedEarly(_) => ended_early(peer),
-        ReadExactError::ReadError(e) => read_error(peer, e),
-    })?;
+    recv.read_exact(&mut raw).await.map_err(|e| exact_error(peer, e, true))?;
     FrameHeader::decode(&raw, limits).map_err(|source| TransportError::Frame { peer, source })
+}
+
+/// Reads a payload whose header was validated straight into `into` (of its length).
+pub(super) async fn read_payload_into(
+    recv: &mut RecvStream,
+    peer: Rank,
+    into: &mut [u8],
+) -> Result<(), TransportError> {
+    recv.read_exact(into).await.map_err(|e| exact_error(peer, e, false))
 }
 
 /// Reads a payload of `len` bytes whose header was validated. A payload that arrives in

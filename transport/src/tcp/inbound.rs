@@ -16,6 +16,7 @@ use super::lock;
 use crate::error::{FrameError, TransportError};
 use crate::frame::{FrameHeader, FrameKind, FrameLimits, HEADER_LEN};
 use crate::ids::Rank;
+use crate::landing::Part;
 use crate::matching::{Envelope, Mailbox, PeerEnd};
 use crate::window::{self, GetRequest, GetTable, WindowError, WindowTable};
 use bytes::{Buf, BufMut, BytesMut};
@@ -49,9 +50,50 @@ struct ReadState {
     /// Bytes read but not yet delivered.
     buf: BytesMut,
     /// A large frame whose payload is read straight into its own buffer.
-    big: Option<(FrameHeader, BytesMut)>,
+    big: Option<(FrameHeader, Big)>,
     /// Bytes read so far (to tell a polling thread that data is flowing).
     received: u64,
+}
+
+/// Where a large frame's payload is read.
+enum Big {
+    /// Its own buffer.
+    Buf(BytesMut),
+    /// The part a get reads into, filled up to `.1`.
+    Part(Part, usize),
+}
+
+impl Big {
+    fn filled(&self) -> usize {
+        match self {
+            Big::Buf(b) => b.len(),
+            Big::Part(_, n) => *n,
+        }
+    }
+
+    /// Appends `bytes` (no more than the frame's length: checked by the caller).
+    fn extend(&mut self, bytes: &[u8]) {
+        match self {
+            Big::Buf(b) => b.extend_from_slice(bytes),
+            Big::Part(p, n) => {
+                p.as_mut_slice()[*n..*n + bytes.len()].copy_from_slice(bytes);
+                *n += bytes.len();
+            }
+        }
+    }
+
+    /// Reads at most `want` more bytes from `fd`.
+    fn recv(&mut self, fd: std::os::fd::RawFd, want: usize) -> std::io::Result<usize> {
+        match self {
+            Big::Buf(b) => crate::sys::recv_nonblocking(fd, &mut b.limit(want)),
+            Big::Part(p, n) => {
+                let mut rest = &mut p.as_mut_slice()[*n..];
+                let got = crate::sys::recv_nonblocking(fd, &mut (&mut rest).limit(want))?;
+                *n += got;
+                Ok(got)
+            }
+        }
+    }
 }
 
 /// A get request read off a connection, with what the window table answered; the
@@ -245,11 +287,14 @@ impl Reader {
         let limits = FrameLimits { max_payload: self.max_payload, peer };
         loop {
             if let Some((h, big)) = &st.big {
-                if (big.len() as u64) < h.len {
+                if (big.filled() as u64) < h.len {
                     return Ok(false);
                 }
-                let (h, big) = st.big.take().expect("checked just above");
-                self.dispatch(peer, h, big.freeze())?;
+                match st.big.take() {
+                    Some((h, Big::Buf(big))) => self.dispatch(peer, h, big.freeze())?,
+                    Some((h, Big::Part(part, _))) => self.one_sided.gets.complete_landed(peer, h.request_id(), part),
+                    None => {}
+                }
                 continue;
             }
             if st.buf.len() < HEADER_LEN {
@@ -275,9 +320,12 @@ impl Reader {
                 self.dispatch(peer, h, payload)?;
             } else {
                 st.buf.advance(HEADER_LEN);
-                let mut big = BytesMut::with_capacity(len);
+                let landing = (h.kind == FrameKind::GetReply)
+                    .then(|| self.one_sided.gets.take_landing(peer, h.request_id(), h.len))
+                    .flatten();
+                let mut big = landing.map_or_else(|| Big::Buf(BytesMut::with_capacity(len)), |p| Big::Part(p, 0));
                 let take = st.buf.len().min(len);
-                big.extend_from_slice(&st.buf[..take]);
+                big.extend(&st.buf[..take]);
                 st.buf.advance(take);
                 st.big = Some((h, big));
             }
@@ -330,8 +378,8 @@ impl Reader {
             }
             let read = match &mut st.big {
                 Some((h, big)) => {
-                    let want = usize::try_from(h.len).unwrap_or(usize::MAX) - big.len();
-                    crate::sys::recv_nonblocking(fd, &mut big.limit(want))
+                    let want = usize::try_from(h.len).unwrap_or(usize::MAX) - big.filled();
+                    big.recv(fd, want)
                 }
                 None => {
                     if st.buf.capacity() - st.buf.len() < READ_BUF / 2 {

@@ -24,6 +24,7 @@ use crate::config::TransportConfig;
 use crate::error::TransportError;
 use crate::frame::{FrameHeader, FrameKind};
 use crate::ids::{Context, Rank, Tag};
+use crate::landing::Part;
 use crate::transport::{BoxFuture, Capabilities, EndpointAddr, Transport, TransportSetup};
 use crate::window::{self, GetRequest, GetTable, WindowError, WindowId, WindowTable, REQUEST_LEN};
 use bytes::Bytes;
@@ -174,29 +175,46 @@ impl Inner {
     }
 
     async fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> Result<Bytes, TransportError> {
+        let req = GetRequest { window: id, offset, len };
+        if let Some(local) = self.get_checked(dst, req)? {
+            return Ok(local);
+        }
+        let (rid, rx) = self.gets.start(dst, len);
+        window::await_get(&self.gets, rid, rx, self.request(dst, rid, req)).await
+    }
+
+    /// A get straight into `into`: the reader thread reads a large reply into it.
+    async fn get_into(&self, dst: Rank, id: WindowId, offset: u64, mut into: Part) -> Result<Part, TransportError> {
+        let req = GetRequest { window: id, offset, len: into.len() as u64 };
+        if let Some(local) = self.get_checked(dst, req)? {
+            // The window table returned exactly the range asked for.
+            into.as_mut_slice().copy_from_slice(&local);
+            return Ok(into);
+        }
+        let (rid, rx) = self.gets.start_into(dst, into);
+        window::await_landed(&self.gets, rid, rx, self.request(dst, rid, req)).await
+    }
+
+    /// Checks a get; answers one of this endpoint's own windows (`Some`).
+    fn get_checked(&self, dst: Rank, req: GetRequest) -> Result<Option<Bytes>, TransportError> {
         if self.closed.load(Ordering::Acquire) {
             return Err(TransportError::Closed);
         }
-        let req = GetRequest { window: id, offset, len };
-        let refused = |peer, e: WindowError| TransportError::Window { peer, what: e.to_string() };
+        let refused = |e: WindowError| TransportError::Window { peer: dst, what: e.to_string() };
         if dst == self.me.rank {
-            return self.windows.read(req).map_err(|e| refused(dst, e));
+            return self.windows.read(req).map(Some).map_err(refused);
         }
         let cap = self.cfg.get_max_payload();
-        if len > cap {
-            return Err(refused(dst, WindowError::TooLarge { len, cap }));
+        if req.len > cap {
+            return Err(refused(WindowError::TooLarge { len: req.len, cap }));
         }
-        let (rid, rx) = self.gets.start(dst, len);
+        Ok(None)
+    }
+
+    /// Sends get request `rid` to `dst`.
+    async fn request(&self, dst: Rank, rid: u64, req: GetRequest) -> Result<(), TransportError> {
         let header = FrameHeader::get(FrameKind::GetRequest, self.me.rank, rid, REQUEST_LEN as u64).encode();
-        let sent = match self.outbound(dst).await {
-            Ok(out) => out.send(header, Bytes::copy_from_slice(&req.encode())).await,
-            Err(e) => Err(e),
-        };
-        if let Err(e) = sent {
-            self.gets.cancel(rid);
-            return Err(e);
-        }
-        window::await_get(&self.gets, rid, rx).await
+        self.outbound(dst).await?.send(header, Bytes::copy_from_slice(&req.encode())).await
     }
 
     /// The connection to `dst`, opened (and authenticated) on first use.
@@ -342,6 +360,16 @@ impl Transport for TcpTransport {
 
     fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> BoxFuture<'_, Result<Bytes, TransportError>> {
         Box::pin(self.inner.get(dst, id, offset, len))
+    }
+
+    fn get_into(
+        &self,
+        dst: Rank,
+        id: WindowId,
+        offset: u64,
+        into: Part,
+    ) -> BoxFuture<'_, Result<Part, TransportError>> {
+        Box::pin(self.inner.get_into(dst, id, offset, into))
     }
 
     fn progress(&self) -> bool {

@@ -11,6 +11,7 @@
 
 use super::{check, close, Attrs, Domain, Ep, OfiError};
 use crate::fabric::sys;
+use crate::landing::Part;
 use bytes::Bytes;
 use std::cell::UnsafeCell;
 use std::ffi::c_void;
@@ -110,16 +111,17 @@ impl Registrar {
         Ok(LocalBuf { mr, mem })
     }
 
-    /// A zeroed destination of `len` bytes for reads.
-    pub(in crate::fabric) fn read_dest(&self, len: usize) -> Result<Arc<ReadDest>, OfiError> {
-        let mut mem = vec![0u8; len];
+    /// A destination for reads: `mem`, registered if the provider needs it.
+    pub(in crate::fabric) fn read_dest(&self, mut mem: ReadMem) -> Result<Arc<ReadDest>, OfiError> {
+        let bytes = mem.bytes_mut();
+        let (base, len) = (bytes.as_mut_ptr(), bytes.len());
         let mr = if self.local && len > 0 {
-            // SAFETY: the ReadDest owns `mem` and drops the Mr first (see `take`).
-            Some(unsafe { self.register(mem.as_mut_ptr(), len, sys::FI_READ) }?)
+            // SAFETY: the ReadDest owns `mem` (whose bytes never move: a Vec's heap
+            // memory, or a part of a landing) and drops the Mr first (see `take`).
+            Some(unsafe { self.register(base, len, sys::FI_READ) }?)
         } else {
             None
         };
-        let base = mem.as_mut_ptr();
         Ok(Arc::new(ReadDest { mr: Mutex::new(mr), base, len, mem: UnsafeCell::new(mem) }))
     }
 
@@ -190,13 +192,43 @@ fn desc(mr: Option<&Mr>) -> *mut c_void {
     mr.map_or(ptr::null_mut(), |m| unsafe { sys::fi_mr_desc(m.ptr) })
 }
 
+/// The memory reads write into.
+pub(in crate::fabric) enum ReadMem {
+    /// A new buffer (a rendezvous message, a get into a new buffer).
+    New(Vec<u8>),
+    /// A get's destination in the reader's memory.
+    Part(Part),
+}
+
+impl ReadMem {
+    /// A new zeroed buffer of `len` bytes.
+    pub(in crate::fabric) fn zeroed(len: usize) -> Self {
+        Self::New(vec![0u8; len])
+    }
+
+    /// Its length in bytes.
+    pub(in crate::fabric) fn len(&self) -> usize {
+        match self {
+            Self::New(v) => v.len(),
+            Self::Part(p) => p.len(),
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Self::New(v) => v,
+            Self::Part(p) => p.as_mut_slice(),
+        }
+    }
+}
+
 /// The destination of RMA reads; see the module docs.
 pub(in crate::fabric) struct ReadDest {
     mr: Mutex<Option<Mr>>,
     /// The first byte of `mem` (taken before `mem` was shared; never moves).
     base: *mut u8,
     len: usize,
-    mem: UnsafeCell<Vec<u8>>,
+    mem: UnsafeCell<ReadMem>,
 }
 
 // SAFETY: while the destination is shared, `mem` is only written by the provider,
@@ -213,7 +245,7 @@ impl ReadDest {
     }
 
     /// The bytes read, once no read holds the destination any more.
-    pub(in crate::fabric) fn take(this: Arc<Self>) -> Option<Vec<u8>> {
+    pub(in crate::fabric) fn take(this: Arc<Self>) -> Option<ReadMem> {
         let d = Arc::try_unwrap(this).ok()?;
         drop(d.mr);
         Some(d.mem.into_inner())

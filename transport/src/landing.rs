@@ -1,0 +1,187 @@
+//! Memory that gets read into in place ([`crate::Transport::get_into`]).
+//!
+//! A [`Landing`] owns one buffer (8-byte aligned: a registered block of any plain
+//! element type fits it). It lends disjoint ranges of it as [`Part`]s, each an owned,
+//! exclusive handle that a backend may hold on another thread (the TCP reader, a
+//! libfabric read in flight) for as long as it writes; the buffer lives as long as any
+//! part does, so a get abandoned mid-read never writes into freed memory. The buffer is
+//! taken back with [`Landing::into_words`] once every part is gone.
+//!
+//! Why not `&mut [u8]`: a backend's write may outlive the future that started it (a
+//! timed-out get whose reply is still arriving), so the destination must be owned.
+//! Why not one `BytesMut` per get: that is the extra copy this type exists to avoid.
+
+use std::cell::UnsafeCell;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// A buffer lent out in disjoint [`Part`]s; see the module docs.
+pub struct Landing {
+    /// The first byte (taken before the buffer was shared; the heap memory of `words`
+    /// never moves).
+    base: *mut u8,
+    len: usize,
+    words: UnsafeCell<Vec<u64>>,
+    /// The ranges lent out and not yet returned.
+    lent: Mutex<Vec<Range<usize>>>,
+}
+
+// SAFETY: while shared, the bytes are only reached through parts, whose ranges are
+// disjoint (checked by `part`) and each held by one owner; `words` itself is touched only
+// by `into_words`, which needs the last reference (no part left).
+unsafe impl Send for Landing {}
+// SAFETY: as above.
+unsafe impl Sync for Landing {}
+
+impl Landing {
+    /// A landing of the first `len` bytes of `words`; `None` if `words` is shorter.
+    #[must_use]
+    pub fn new(mut words: Vec<u64>, len: usize) -> Option<Arc<Self>> {
+        if len > words.len().saturating_mul(8) {
+            return None;
+        }
+        let base = words.as_mut_ptr().cast::<u8>();
+        Some(Arc::new(Self { base, len, words: UnsafeCell::new(words), lent: Mutex::new(Vec::new()) }))
+    }
+
+    /// Its length in bytes.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no bytes.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Lends `range` as an exclusive part; `None` if the range is not inside the buffer
+    /// or overlaps a part still out (empty ranges overlap nothing).
+    #[must_use]
+    pub fn part(self: &Arc<Self>, range: Range<usize>) -> Option<Part> {
+        if range.start > range.end || range.end > self.len {
+            return None;
+        }
+        let mut lent = self.lent.lock().unwrap_or_else(PoisonError::into_inner);
+        // An empty range holds no byte, so it overlaps nothing.
+        let overlaps = |r: &Range<usize>| r.start < range.end && range.start < r.end;
+        if !range.is_empty() && lent.iter().any(overlaps) {
+            return None;
+        }
+        lent.push(range.clone());
+        Some(Part { landing: self.clone(), range })
+    }
+
+    /// The buffer back, once no part is out; else the landing itself.
+    ///
+    /// # Errors
+    /// A part (or another reference) is still held.
+    pub fn into_words(this: Arc<Self>) -> Result<Vec<u64>, Arc<Self>> {
+        Arc::try_unwrap(this).map(|l| l.words.into_inner())
+    }
+}
+
+/// An exclusive, owned range of a [`Landing`]: a backend writes a get's bytes into it.
+pub struct Part {
+    landing: Arc<Landing>,
+    range: Range<usize>,
+}
+
+impl Part {
+    /// Its length in bytes.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.range.len()
+    }
+
+    /// Whether it has no bytes.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+
+    /// Where it lies in its landing.
+    #[must_use]
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    /// Its bytes.
+    #[must_use]
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the range lies inside the landing's buffer (checked when lent), which
+        // lives as long as `self.landing`; no other part overlaps it, and this one is
+        // borrowed shared here.
+        unsafe { std::slice::from_raw_parts(self.landing.base.add(self.range.start), self.range.len()) }
+    }
+
+    /// Its bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and this part is borrowed exclusively.
+        unsafe { std::slice::from_raw_parts_mut(self.landing.base.add(self.range.start), self.range.len()) }
+    }
+}
+
+impl std::fmt::Debug for Landing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let lent = self.lent.lock().unwrap_or_else(PoisonError::into_inner).len();
+        write!(f, "Landing({} bytes, {lent} parts out)", self.len)
+    }
+}
+
+impl std::fmt::Debug for Part {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Part({:?} of {} bytes)", self.range, self.landing.len)
+    }
+}
+
+impl Drop for Part {
+    fn drop(&mut self) {
+        let mut lent = self.landing.lent.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(i) = lent.iter().position(|r| *r == self.range) {
+            lent.swap_remove(i);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_are_disjoint_and_inside() {
+        let l = Landing::new(vec![0; 4], 30).unwrap();
+        assert!(Landing::new(vec![0; 4], 33).is_none());
+        let mut a = l.part(0..10).unwrap();
+        assert!(l.part(5..12).is_none(), "overlaps a");
+        assert!(l.part(25..31).is_none(), "outside");
+        let mut b = l.part(10..30).unwrap();
+        let e1 = l.part(3..3).unwrap();
+        let e2 = l.part(3..3).unwrap();
+        a.as_mut_slice().fill(1);
+        b.as_mut_slice().fill(2);
+        assert_eq!(b.as_slice(), &[2; 20]);
+        drop((e1, e2));
+        drop(a);
+        let a2 = l.part(2..8).unwrap();
+        let l = match Landing::into_words(l) {
+            Ok(_) => panic!("parts are still out"),
+            Err(l) => l,
+        };
+        drop((a2, b));
+        let words = Landing::into_words(l).unwrap();
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        assert_eq!(&bytes[..10], &[1; 10]);
+        assert_eq!(&bytes[10..30], &[2; 20]);
+        assert_eq!(&bytes[30..], &[0, 0]);
+    }
+
+    #[test]
+    fn a_part_keeps_its_buffer_alive() {
+        let l = Landing::new(vec![7; 2], 16).unwrap();
+        let p = l.part(8..16).unwrap();
+        drop(l);
+        assert_eq!(p.as_slice(), &7u64.to_ne_bytes());
+    }
+}
