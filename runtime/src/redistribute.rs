@@ -17,9 +17,12 @@
 //!   [`ROUND_BUDGET`] bytes.
 //! - [`Method::Rma`]: each source exposes its old block as a window (a local
 //!   registration) and tells each of its targets the window's id; each target reads
-//!   its overlaps with gets of at most [`SEGMENT`] bytes, at most [`GETS_IN_FLIGHT`] at
-//!   a time, then tells the source it is done ("wait drains"); a source withdraws its
-//!   window once all its targets are done.
+//!   its overlaps straight into its new block (`get_into`: the backend writes the bytes
+//!   in place, no buffer and no copy), at most [`GETS_IN_FLIGHT`] gets at a time, copies
+//!   its own overlap while the first gets are under way, then tells the source it is
+//!   done ("wait drains"); a source withdraws its window once all its targets are done.
+//!   A get reads a whole overlap (one window query to its owner); a paced move reads
+//!   [`SEGMENT`]s, pausing after each.
 //!
 //! The new block is allocated once at its final size and filled in place; the old block
 //! is shared with the transport as `Bytes` without a copy.
@@ -45,6 +48,10 @@ use std::str::FromStr;
 pub const SEGMENT: usize = 8 << 20;
 /// Gets a target keeps in flight in the one-sided executor.
 pub const GETS_IN_FLIGHT: usize = 4;
+/// Largest get of the one-sided executor when it is not paced. Gets land in the new
+/// block in place, so their size costs no memory; larger gets mean fewer window queries
+/// to the owners, and the backend splits them as it needs.
+const LARGEST_GET: usize = 256 << 20;
 /// Segments a target keeps in flight towards it in the point-to-point executor.
 pub const WINDOW: usize = 4;
 /// Most bytes one collective round brings a member. Senders can be one round ahead of
@@ -141,6 +148,11 @@ impl Pacer {
     /// How many segments may be in flight: one when pacing (segments already granted
     /// would arrive at full speed, however long the pauses between grants), else
     /// `full`.
+    /// Whether the move is paced.
+    fn paced(&self) -> bool {
+        self.share.is_some()
+    }
+
     fn window(&self, full: usize) -> usize {
         if self.share.is_some() {
             1
@@ -333,21 +345,26 @@ impl Move<'_> {
             // Gets write straight into the new block, each segment into its own part.
             let landing = std::mem::take(block).into_landing().ok_or_else(|| plan_error("block size"))?;
             let lend = |seg: Range<usize>| landing.part(seg).ok_or_else(|| plan_error("overlapping segments"));
+            let mut pacer = Pacer::new(self.share);
+            // Unpaced, a get reads a source's whole overlap (up to LARGEST_GET): one
+            // query to its owner, the backend splits the read as it needs.
+            let seg_len = if pacer.paced() { SEGMENT } else { LARGEST_GET };
             let first = block_range(self.global, self.new_n, self.my_new.unwrap_or(0)).start;
             let mut gets = Vec::new();
             let mut sources = Vec::new();
+            let mut own = None;
             for (src, range) in self.receives(&plan) {
                 // Where this overlap starts inside the source's block, in bytes.
                 let src_first = block_range(self.global, self.old_n, src as u32).start;
                 let at = self.bytes(first + plan.displs[src] - src_first);
                 if src == me {
-                    crate::block::fill(lend(range.clone())?.as_mut_slice(), &old[at..at + range.len()]);
+                    own = Some((lend(range.clone())?, at));
                     continue;
                 }
                 let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
                 let id = window_id(&b, src)?;
                 sources.push(src);
-                for seg in segments(range.clone(), SEGMENT) {
+                for seg in segments(range.clone(), seg_len) {
                     let offset = (at + seg.start - range.start) as u64;
                     let mut part = lend(seg)?;
                     gets.push(async move {
@@ -356,12 +373,25 @@ impl Move<'_> {
                     });
                 }
             }
-            let mut pacer = Pacer::new(self.share);
-            let mut done = stream::iter(gets).buffer_unordered(pacer.window(GETS_IN_FLIGHT));
-            while let Some(part) = done.try_next().await? {
-                drop(part);
-                pacer.segment_done().await;
-            }
+            let window = pacer.window(GETS_IN_FLIGHT);
+            let remote = async {
+                let mut done = stream::iter(gets).buffer_unordered(window);
+                while let Some(part) = done.try_next().await? {
+                    drop(part);
+                    pacer.segment_done().await;
+                }
+                Ok::<(), Error>(())
+            };
+            // The own overlap is copied once the first gets are on their way (polled
+            // first, they send their requests), while the backend brings their bytes.
+            let copy = async {
+                if let Some((mut part, at)) = own {
+                    let n = part.len();
+                    crate::block::fill(part.as_mut_slice(), &old[at..at + n]);
+                }
+                Ok(())
+            };
+            try_join(remote, copy).await?;
             *block = Aligned::from_landing(landing).ok_or_else(|| plan_error("a get still holds the block"))?;
             let drained = sources.iter().map(|&k| t.send_tagged(k, self.done_tag, Bytes::new()));
             try_join_all(drained).await?;
