@@ -120,6 +120,44 @@ impl AsyncGroup {
         Ok((env.payload.clone(), Status { source, tag: env.tag.0, len: env.payload.len() }))
     }
 
+    /// Posts a receive from `src` with `tag` (including runtime tags) into `into` now;
+    /// the future gives the part back holding the message, which must be exactly its
+    /// length. Backends that can read the payload straight into the part.
+    pub(crate) fn post_in_place(
+        &self,
+        src: usize,
+        tag: Tag,
+        into: Part,
+    ) -> Result<impl std::future::Future<Output = Result<(Part, Status)>> + '_> {
+        let pattern = Pattern { ctx: self.core.ctx, src: SrcMatch::Rank(self.member(src)?), tag: TagMatch::Tag(tag) };
+        let pending = self.core.endpoint.post_into(pattern, into)?;
+        Ok(async move {
+            let landed = if self.timed {
+                tokio::time::timeout(self.core.timeout, pending)
+                    .await
+                    .map_err(|_| TransportError::Timeout { what: describe(&pattern), after: self.core.timeout })??
+            } else {
+                *self.core.waiting_for.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(pattern);
+                pending.await?
+            };
+            let len = landed.part.len();
+            Ok((landed.part, Status { source: src, tag: tag.0, len }))
+        })
+    }
+
+    /// Receives a message from `src` with `tag` straight into `into`, a part of this
+    /// process's memory, and gives the part back holding it: a receive without a new
+    /// buffer and its copy on backends that read in place (tcp, quic, and fabric's large
+    /// messages). The message must be exactly the part's length.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`AsyncGroup::recv_bytes`], or a message of another length (it is consumed).
+    pub async fn recv_in_place(&self, src: usize, tag: u32, into: Part) -> Result<(Part, Status)> {
+        self.post_in_place(src, Self::user_tag(tag)?, into)?.await
+    }
+
     /// Exposes `region` for one-sided reads by the group's members (and any other
     /// endpoint of the job). Tell readers the returned id in a message.
     ///
@@ -370,6 +408,17 @@ impl Group {
     /// As [`AsyncGroup::get`].
     pub fn get(&self, src: usize, id: WindowId, offset: u64, len: u64) -> Result<Bytes> {
         self.block(self.inner.get(src, id, offset, len))
+    }
+
+    /// Receives a message from `src` with `tag` straight into `into`; see
+    /// [`AsyncGroup::recv_in_place`].
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`AsyncGroup::recv_in_place`].
+    pub fn recv_in_place(&self, src: usize, tag: u32, into: Part) -> Result<(Part, Status)> {
+        self.block(self.inner.recv_in_place(src, tag, into))
     }
 
     /// Reads a range of window `id` of group rank `src` straight into `into`; see

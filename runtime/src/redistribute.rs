@@ -38,7 +38,7 @@ use bytes::Bytes;
 use ductile_redistrib::{block_range, drain_plan, source_plan, DrainPlan};
 use ductile_transport::{Tag, TagMatch, WindowId};
 use futures_util::future::{try_join, try_join_all};
-use futures_util::stream::{self, StreamExt, TryStreamExt};
+use futures_util::stream::{self, FuturesUnordered, StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::ops::Range;
@@ -215,13 +215,13 @@ impl Move<'_> {
     /// that leaves) from `old` (the old block, empty for a member that joined).
     pub(crate) async fn run(&self, method: Method, old: Bytes, new: Option<&mut Aligned>) -> Result<()> {
         match method {
-            Method::P2p => self.p2p(old, new.map(Aligned::bytes_mut)).await,
+            Method::P2p => self.p2p(old, new).await,
             Method::Collective => self.collective(old, new.map(Aligned::bytes_mut)).await,
             Method::Rma => self.rma(old, new).await,
         }
     }
 
-    async fn p2p(&self, old: Bytes, new: Option<&mut [u8]>) -> Result<()> {
+    async fn p2p(&self, old: Bytes, new: Option<&mut Aligned>) -> Result<()> {
         let (t, me) = (self.t, self.t.rank());
         let mut own = Vec::new();
         let mut outgoing = Vec::new();
@@ -248,44 +248,61 @@ impl Move<'_> {
             serve.await?;
             return Ok(());
         };
-        // Segments are placed in the order they arrive, from whichever source.
+        // Each segment is received straight into its place in the new block: before a
+        // source is granted its next segment, a receive into that segment's part is
+        // posted (a source sends its segments in order, and receives from it match in
+        // the order they were posted).
+        let landing = std::mem::take(block).into_landing().ok_or_else(|| plan_error("block size"))?;
+        let lend = |seg: Range<usize>| landing.part(seg).ok_or_else(|| plan_error("overlapping segments"));
         let mut pending: Vec<(usize, std::vec::IntoIter<Range<usize>>)> = Vec::new();
+        let mut own_parts = Vec::new();
         for (src, range) in self.receives(&plan) {
             if src == me {
                 let from = own.pop().ok_or_else(|| plan_error("own overlap"))?;
-                block[range].copy_from_slice(&old[from]);
+                own_parts.push((lend(range)?, from));
             } else {
                 pending.push((src, segments(range, SEGMENT).collect::<Vec<_>>().into_iter()));
             }
         }
-        let mut left: usize = pending.iter().map(|(_, segs)| segs.len()).sum();
         // Grants, round-robin over the sources so that all of them keep sending.
         let mut grants =
             round_robin(&pending.iter().map(|(src, segs)| (*src, segs.len())).collect::<Vec<_>>()).into_iter();
         let mut pacer = Pacer::new(self.share);
         let window = pacer.window(WINDOW);
-        let fill = async {
-            for src in grants.by_ref().take(window) {
+        let grant = |src: usize, pending: &mut Vec<(usize, std::vec::IntoIter<Range<usize>>)>| {
+            let seg = pending.iter_mut().find(|(s, _)| *s == src).and_then(|(_, segs)| segs.next());
+            let mut part = lend(seg.ok_or_else(|| plan_error("grant without a segment"))?)?;
+            crate::block::populate(part.as_mut_slice());
+            let landed = t.post_in_place(src, self.tag, part)?;
+            Ok::<_, Error>(async move {
                 t.send_tagged(src, self.done_tag, Bytes::new()).await?;
-            }
-            while left > 0 {
-                let (b, st) = t.recv_tagged(None, TagMatch::Tag(self.tag)).await?;
-                let seg = pending
-                    .iter_mut()
-                    .find(|(src, _)| *src == st.source)
-                    .and_then(|(_, segs)| segs.next())
-                    .ok_or_else(|| plan_error(&format!("unexpected data from member {}", st.source)))?;
-                place(block, seg, &b, st.source)?;
-                drop(b);
-                left -= 1;
+                landed.await
+            })
+        };
+        let mut inflight = FuturesUnordered::new();
+        for src in grants.by_ref().take(window) {
+            inflight.push(grant(src, &mut pending)?);
+        }
+        let receive = async {
+            while let Some(landed) = inflight.next().await {
+                drop(landed?);
                 pacer.segment_done().await;
                 if let Some(src) = grants.next() {
-                    t.send_tagged(src, self.done_tag, Bytes::new()).await?;
+                    inflight.push(grant(src, &mut pending)?);
                 }
             }
             Ok::<(), Error>(())
         };
-        try_join(serve, fill).await?;
+        // The own overlap is copied once the first grants are out (polled first, the
+        // receive sends them), while the first segments travel.
+        let copy = async {
+            for (mut part, from) in own_parts {
+                crate::block::fill(part.as_mut_slice(), &old[from]);
+            }
+            Ok(())
+        };
+        try_join(serve, try_join(receive, copy)).await?;
+        *block = Aligned::from_landing(landing).ok_or_else(|| plan_error("a receive still holds the block"))?;
         Ok(())
     }
 

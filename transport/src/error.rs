@@ -132,6 +132,17 @@ pub enum TransportError {
     /// The peer closed its endpoint; it will send nothing more.
     #[error("{0} has closed its endpoint")]
     PeerClosed(Rank),
+    /// A message of another size than the receive into a part waited for; the
+    /// message is consumed.
+    #[error("{peer} sent {got} bytes to a receive of {expected} bytes")]
+    SizeMismatch {
+        /// The sender.
+        peer: Rank,
+        /// The receive's size.
+        expected: u64,
+        /// The message's size.
+        got: u64,
+    },
     /// A message larger than the frame cap.
     #[error("message of {len} bytes to {peer} exceeds the frame cap of {cap} bytes")]
     MessageTooLarge {

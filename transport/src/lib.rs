@@ -36,6 +36,8 @@ pub use config::TransportConfig;
 pub use error::{AuthError, FrameError, TransportError};
 pub use ids::{Context, JobId, JobKey, NodeId, Rank, Tag};
 pub use landing::{Landing, Part};
-pub use matching::{Envelope, Mailbox, Pattern, SrcMatch, TagMatch};
-pub use transport::{bind, BoxFuture, Capabilities, Endpoint, EndpointAddr, PendingRecv, Transport, TransportSetup};
+pub use matching::{Envelope, Landed, Mailbox, Pattern, SrcMatch, TagMatch};
+pub use transport::{
+    bind, BoxFuture, Capabilities, Endpoint, EndpointAddr, PendingRecv, Received, Transport, TransportSetup,
+};
 pub use window::{WindowError, WindowId};

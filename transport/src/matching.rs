@@ -11,10 +11,14 @@
 
 use crate::error::TransportError;
 use crate::ids::{Context, Rank, Tag};
+use crate::landing::Part;
 use bytes::Bytes;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use tokio::sync::oneshot;
+
+mod landed;
+pub use landed::{Claim, Landed, PostingInto};
 
 /// A received message.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -92,12 +96,51 @@ impl PeerEnd {
     }
 }
 
-type Reply = oneshot::Sender<Result<Envelope, TransportError>>;
+/// Where a posted receive's message goes.
+enum Reply {
+    /// To the receiver, as it arrived.
+    Env(oneshot::Sender<Result<Envelope, TransportError>>),
+    /// Into the part, then to the receiver (see [`landed`]).
+    Into(Part, oneshot::Sender<Result<Landed, TransportError>>),
+}
+
+impl Reply {
+    /// Hands `env` to the receiver; gives it back if the receiver is gone.
+    fn offer(self, env: Envelope) -> Option<Envelope> {
+        match self {
+            Reply::Env(tx) => match tx.send(Ok(env)) {
+                Ok(()) | Err(Err(_)) => None,
+                Err(Ok(back)) => Some(back),
+            },
+            Reply::Into(part, tx) => {
+                if tx.is_closed() {
+                    return Some(env);
+                }
+                match landed::land(&env, part) {
+                    Ok(l) => tx.send(Ok(l)).err().map(|_| env),
+                    Err(e) => {
+                        // The message is the receive's, with an error: it was not
+                        // the size asked for.
+                        let _ = tx.send(Err(e));
+                        None
+                    }
+                }
+            }
+        }
+    }
+
+    fn fail(self, e: TransportError) {
+        match self {
+            Reply::Env(tx) => drop(tx.send(Err(e))),
+            Reply::Into(_, tx) => drop(tx.send(Err(e))),
+        }
+    }
+}
 
 struct Posted {
     id: u64,
     pattern: Pattern,
-    tx: Reply,
+    reply: Reply,
 }
 
 #[derive(Default)]
@@ -107,6 +150,33 @@ struct State {
     ended: HashMap<Rank, PeerEnd>,
     next_id: u64,
     closed: bool,
+}
+
+impl State {
+    /// The oldest queued message `pattern` matches; `None` if the receive must be
+    /// posted; an error if it could never be satisfied.
+    fn take_queued(&mut self, pattern: &Pattern) -> Result<Option<Envelope>, TransportError> {
+        if let Some(pos) = self.unexpected.iter().position(|e| pattern.matches(e.src, e.ctx, e.tag)) {
+            return Ok(self.unexpected.remove(pos));
+        }
+        if self.closed {
+            return Err(TransportError::Closed);
+        }
+        if let SrcMatch::Rank(r) = pattern.src {
+            if let Some(end) = self.ended.get(&r) {
+                return Err(end.error(r));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Posts a receive; returns its id.
+    fn push(&mut self, pattern: Pattern, reply: Reply) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.posted.push_back(Posted { id, pattern, reply });
+        id
+    }
 }
 
 /// The outcome of posting a receive.
@@ -146,12 +216,11 @@ impl Mailbox {
             if st.posted[i].pattern.matches(env.src, env.ctx, env.tag) {
                 // Index is in range: checked by the loop condition.
                 let p = st.posted.remove(i).expect("index in range");
-                match p.tx.send(Ok(env)) {
-                    Ok(()) => return,
+                match p.reply.offer(env) {
+                    None => return,
                     // The receiver gave up without cancelling: offer the message to
                     // the next matching posting (the one now at `i`).
-                    Err(Ok(back)) => env = back,
-                    Err(Err(_)) => return,
+                    Some(back) => env = back,
                 }
             } else {
                 i += 1;
@@ -167,23 +236,11 @@ impl Mailbox {
     /// matches; or the mailbox is closed.
     pub fn post(&self, pattern: Pattern) -> Result<Posting, TransportError> {
         let mut st = self.lock();
-        if let Some(pos) = st.unexpected.iter().position(|e| pattern.matches(e.src, e.ctx, e.tag)) {
-            // Position was just found.
-            return Ok(Posting::Ready(st.unexpected.remove(pos).expect("position found")));
-        }
-        if st.closed {
-            return Err(TransportError::Closed);
-        }
-        if let SrcMatch::Rank(r) = pattern.src {
-            if let Some(end) = st.ended.get(&r) {
-                return Err(end.error(r));
-            }
+        if let Some(env) = st.take_queued(&pattern)? {
+            return Ok(Posting::Ready(env));
         }
         let (tx, rx) = oneshot::channel();
-        let id = st.next_id;
-        st.next_id += 1;
-        st.posted.push_back(Posted { id, pattern, tx });
-        Ok(Posting::Posted(id, rx))
+        Ok(Posting::Posted(st.push(pattern, Reply::Env(tx)), rx))
     }
 
     /// Puts back a message that a receiver took but abandoned before using it, so that it
@@ -192,13 +249,11 @@ impl Mailbox {
         let mut st = self.lock();
         if let Some(pos) = st.posted.iter().position(|p| p.pattern.matches(env.src, env.ctx, env.tag)) {
             let p = st.posted.remove(pos).expect("position found");
-            match p.tx.send(Ok(env)) {
-                Ok(()) | Err(Err(_)) => return,
-                Err(Ok(back)) => {
-                    drop(st);
-                    return self.give_back(back);
-                }
+            if let Some(back) = p.reply.offer(env) {
+                drop(st);
+                self.give_back(back);
             }
+            return;
         }
         st.unexpected.push_front(env);
     }
@@ -223,7 +278,7 @@ impl Mailbox {
         for p in st.posted.drain(..) {
             if p.pattern.src == SrcMatch::Rank(r) {
                 // The receiver may be gone already; nothing to do then.
-                let _ = p.tx.send(Err(how.error(r)));
+                p.reply.fail(how.error(r));
             } else {
                 kept.push_back(p);
             }
@@ -241,7 +296,7 @@ impl Mailbox {
         let mut st = self.lock();
         st.closed = true;
         for p in st.posted.drain(..) {
-            let _ = p.tx.send(Err(TransportError::Closed));
+            p.reply.fail(TransportError::Closed);
         }
     }
 

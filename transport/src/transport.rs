@@ -6,7 +6,7 @@ use crate::config::TransportConfig;
 use crate::error::TransportError;
 use crate::ids::{Context, Rank, Tag};
 use crate::landing::Part;
-use crate::matching::{Envelope, Mailbox, Pattern, Posting};
+use crate::matching::{Envelope, Landed, Mailbox, Pattern, Posting, PostingInto};
 use crate::window::WindowId;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -297,12 +297,28 @@ impl Endpoint {
     /// # Errors
     /// The source has ended or the endpoint is closed.
     pub fn post(&self, pattern: Pattern) -> Result<PendingRecv, TransportError> {
-        Ok(match self.mailbox.post(pattern)? {
-            Posting::Ready(env) => PendingRecv { state: PendingState::Ready(Some(env)), mailbox: self.mailbox.clone() },
-            Posting::Posted(id, rx) => {
-                PendingRecv { state: PendingState::Waiting { id, rx }, mailbox: self.mailbox.clone() }
-            }
-        })
+        let state = match self.mailbox.post(pattern)? {
+            Posting::Ready(env) => PendingState::Ready(Some(Ok(env))),
+            Posting::Posted(id, rx) => PendingState::Waiting { id, rx },
+        };
+        Ok(PendingRecv { state, mailbox: self.mailbox.clone() })
+    }
+
+    /// Posts a receive into `part` (of this endpoint's memory) now; the message's payload
+    /// lands in it, read there in place by backends that can (see
+    /// [`crate::matching::Claim`]). It must have exactly the part's length.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`Endpoint::post`]; the future fails with [`TransportError::SizeMismatch`] for
+    /// a message of another size.
+    pub fn post_into(&self, pattern: Pattern, part: Part) -> Result<PendingRecv<Landed>, TransportError> {
+        let state = match self.mailbox.post_into(pattern, part)? {
+            PostingInto::Ready(r) => PendingState::Ready(Some(r)),
+            PostingInto::Posted(id, rx) => PendingState::Waiting { id, rx },
+        };
+        Ok(PendingRecv { state, mailbox: self.mailbox.clone() })
     }
 
     /// Receives the oldest matching message within `timeout`.
@@ -311,6 +327,19 @@ impl Endpoint {
     /// A timeout naming the source and tag, an ended source, or a closed endpoint.
     pub async fn recv(&self, pattern: Pattern, timeout: Duration) -> Result<Envelope, TransportError> {
         let pending = self.post(pattern)?;
+        match tokio::time::timeout(timeout, pending).await {
+            Ok(r) => r,
+            Err(_) => Err(TransportError::Timeout { what: describe(&pattern), after: timeout }),
+        }
+    }
+
+    /// Receives the oldest matching message into `part` within `timeout`; see
+    /// [`Endpoint::post_into`].
+    ///
+    /// # Errors
+    /// As [`Endpoint::recv`], or a message of another size.
+    pub async fn recv_into(&self, pattern: Pattern, part: Part, timeout: Duration) -> Result<Landed, TransportError> {
+        let pending = self.post_into(pattern, part)?;
         match tokio::time::timeout(timeout, pending).await {
             Ok(r) => r,
             Err(_) => Err(TransportError::Timeout { what: describe(&pattern), after: timeout }),
@@ -398,27 +427,43 @@ pub fn describe(p: &Pattern) -> String {
     format!("a message from {src} ({tag}, {})", p.ctx)
 }
 
-enum PendingState {
-    Ready(Option<Envelope>),
-    Waiting { id: u64, rx: oneshot::Receiver<Result<Envelope, TransportError>> },
+/// What a posted receive resolves to, and how it keeps its place if its receiver gives
+/// up after it arrived.
+pub trait Received: Sized + Unpin {
+    /// Gives the message back to `mailbox`, ahead of later ones.
+    fn give_back(self, mailbox: &Mailbox);
+}
+
+impl Received for Envelope {
+    fn give_back(self, mailbox: &Mailbox) {
+        mailbox.give_back(self);
+    }
+}
+
+impl Received for Landed {
+    fn give_back(self, mailbox: &Mailbox) {
+        mailbox.give_back(self.into_envelope());
+    }
+}
+
+enum PendingState<T> {
+    Ready(Option<Result<T, TransportError>>),
+    Waiting { id: u64, rx: oneshot::Receiver<Result<T, TransportError>> },
     Done,
 }
 
-/// A posted receive; see [`Endpoint::post`].
-pub struct PendingRecv {
-    state: PendingState,
+/// A posted receive; see [`Endpoint::post`] and [`Endpoint::post_into`].
+pub struct PendingRecv<T: Received = Envelope> {
+    state: PendingState<T>,
     mailbox: Arc<Mailbox>,
 }
 
-impl Future for PendingRecv {
-    type Output = Result<Envelope, TransportError>;
+impl<T: Received> Future for PendingRecv<T> {
+    type Output = Result<T, TransportError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
         let out = match &mut self.state {
-            PendingState::Ready(env) => match env.take() {
-                Some(e) => Ok(e),
-                None => Err(TransportError::Closed),
-            },
+            PendingState::Ready(r) => r.take().unwrap_or(Err(TransportError::Closed)),
             PendingState::Waiting { rx, .. } => match Pin::new(rx).poll(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Ok(r)) => r,
@@ -431,18 +476,18 @@ impl Future for PendingRecv {
     }
 }
 
-impl Drop for PendingRecv {
+impl<T: Received> Drop for PendingRecv<T> {
     fn drop(&mut self) {
         match std::mem::replace(&mut self.state, PendingState::Done) {
             PendingState::Waiting { id, mut rx } => {
                 if !self.mailbox.cancel(id) {
-                    if let Ok(Ok(env)) = rx.try_recv() {
-                        self.mailbox.give_back(env);
+                    if let Ok(Ok(v)) = rx.try_recv() {
+                        v.give_back(&self.mailbox);
                     }
                 }
             }
-            PendingState::Ready(Some(env)) => self.mailbox.give_back(env),
-            PendingState::Ready(None) | PendingState::Done => {}
+            PendingState::Ready(Some(Ok(v))) => v.give_back(&self.mailbox),
+            PendingState::Ready(_) | PendingState::Done => {}
         }
     }
 }

@@ -276,6 +276,38 @@ async fn gets_land_in_place(b: Backend) {
     close_all(&eps).await;
 }
 
+async fn receives_land_in_place(b: Backend) {
+    let eps = b.job(2, 1);
+    let n = 1 << 20;
+    let landing = Landing::new(vec![0; 3 * n / 8], 3 * n).unwrap();
+    let part = |r: std::ops::Range<usize>| landing.part(r).unwrap();
+    // Posted before the messages arrive (read in place by the backends that can), in
+    // order with an ordinary receive of another tag.
+    let first = eps[1].post_into(from(0, 4), part(0..n)).unwrap();
+    let second = eps[1].post_into(from(0, 4), part(n..2 * n)).unwrap();
+    let plain = eps[1].post(from(0, 5)).unwrap();
+    eps[0].send(Rank(1), Context(0), Tag(4), body(n, 1)).await.unwrap();
+    eps[0].send(Rank(1), Context(0), Tag(5), body(10, 9)).await.unwrap();
+    eps[0].send(Rank(1), Context(0), Tag(4), body(n, 2)).await.unwrap();
+    check(first.await.unwrap().part.as_slice(), n, 1);
+    check(second.await.unwrap().part.as_slice(), n, 2);
+    check(&plain.await.unwrap().payload, 10, 9);
+    // A message queued before its receive is copied in.
+    eps[0].send(Rank(1), Context(0), Tag(6), body(100, 3)).await.unwrap();
+    let got = eps[1].recv_into(from(0, 6), part(2 * n..2 * n + 100), T).await.unwrap();
+    check(got.part.as_slice(), 100, 3);
+    drop(got);
+    // A message of another size fails its receive and is consumed; the next one lands.
+    let wrong = eps[1].post_into(from(0, 7), part(2 * n..3 * n)).unwrap();
+    eps[0].send(Rank(1), Context(0), Tag(7), body(n / 2, 4)).await.unwrap();
+    let err = wrong.await.unwrap_err();
+    assert!(matches!(err, TransportError::SizeMismatch { .. }), "{err}");
+    eps[0].send(Rank(1), Context(0), Tag(7), body(n, 5)).await.unwrap();
+    let got = eps[1].recv_into(from(0, 7), part(2 * n..3 * n), T).await.unwrap();
+    check(got.part.as_slice(), n, 5);
+    close_all(&eps).await;
+}
+
 async fn gets_outside_a_window_are_refused_clearly(b: Backend) {
     let eps = b.job(2, 1);
     let w = eps[1].expose(body(1000, 1)).unwrap();
@@ -328,6 +360,7 @@ macro_rules! conformance {
             case!(a_dead_peer_is_an_error_not_a_hang);
             case!(gets_read_exact_ranges_of_exposed_windows);
             case!(gets_land_in_place);
+            case!(receives_land_in_place);
             case!(gets_outside_a_window_are_refused_clearly);
         }
     };

@@ -303,16 +303,29 @@ impl Inner {
             let why = format!("it announced a message of {len} bytes, over the cap of {cap}");
             return self.peer_ended(rank, PeerEnd::Lost, &why);
         };
-        if let Err(e) = lock(&self.streams).arrive(rank, head, None) {
-            return self.peer_ended(rank, PeerEnd::Lost, &e);
-        }
+        let claim = {
+            let mut streams = lock(&self.streams);
+            // A receive waiting for exactly this message gets it read straight into its
+            // memory, if nothing before it in its stream is still on the way.
+            let claim = streams.is_next(rank, head).then(|| self.mailbox.claim(rank, ctx, tag, len)).flatten();
+            if let Err(e) = streams.arrive(rank, head, None) {
+                drop((streams, claim));
+                return self.peer_ended(rank, PeerEnd::Lost, &e);
+            }
+            claim
+        };
         let purpose = Purpose::Message { head, ctx, tag, id };
         if n == 0 {
             self.reply(rank, &Msg::Fin { id });
+            if let Some(c) = claim {
+                self.mailbox.complete_claim(c);
+                return self.arrive(rank, head, Some(Item::Claimed), true);
+            }
             return self.arrive(rank, head, Some(Item::Data { ctx, tag, payload: Bytes::new() }), true);
         }
+        let mem = claim.map_or_else(|| ReadMem::zeroed(n), ReadMem::Claim);
         let read = match lock(&self.sessions).addr_of(rank) {
-            Some(src) => self.start_transfer(rank, src, region, 0, ReadMem::zeroed(n), purpose),
+            Some(src) => self.start_transfer(rank, src, region, 0, mem, purpose),
             None => Err("no address".into()),
         };
         if let Err(e) = read {

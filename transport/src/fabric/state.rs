@@ -270,6 +270,7 @@ impl Inner {
             match item {
                 Item::Data { ctx, tag, payload } => self.mailbox.deliver(Envelope { src: rank, ctx, tag, payload }),
                 Item::Bye => ended = Some(rank),
+                Item::Claimed => {}
             }
         }
         drop(streams);

@@ -148,23 +148,30 @@ impl Inner {
             self.registrar.unmap(k);
         }
         // Every read into `dest` is done: the completions of all its chunks were read.
-        let got = match ReadDest::take(dest) {
-            Some(ReadMem::New(v)) => Got::Bytes(Bytes::from(v)),
-            Some(ReadMem::Part(p)) => Got::Landed(p),
+        let (got, claim) = match ReadDest::take(dest) {
+            Some(ReadMem::New(v)) => (Got::Bytes(Bytes::from(v)), None),
+            Some(ReadMem::Part(p)) => (Got::Landed(p), None),
+            Some(ReadMem::Claim(c)) => (Got::Bytes(Bytes::new()), Some(c)),
             None => {
                 error.get_or_insert_with(|| "a read buffer still in use".into());
-                Got::Bytes(Bytes::new())
+                (Got::Bytes(Bytes::new()), None)
             }
         };
         match (purpose, error) {
             (Purpose::Message { head, ctx, tag, id }, None) => {
                 self.reply(peer, &Msg::Fin { id });
-                let payload = match got {
-                    Got::Bytes(b) => b,
-                    // Messages are read into new buffers.
-                    Got::Landed(p) => Bytes::copy_from_slice(p.as_slice()),
+                let item = match (claim, got) {
+                    // The receive gets the message now; the stream only notes its place
+                    // (it was next in its stream when claimed).
+                    (Some(c), _) => {
+                        self.mailbox.complete_claim(c);
+                        Item::Claimed
+                    }
+                    (None, Got::Bytes(payload)) => Item::Data { ctx, tag, payload },
+                    // Messages are read into new buffers or claims.
+                    (None, Got::Landed(p)) => Item::Data { ctx, tag, payload: Bytes::copy_from_slice(p.as_slice()) },
                 };
-                self.arrive(peer, head, Some(Item::Data { ctx, tag, payload }), true);
+                self.arrive(peer, head, Some(item), true);
             }
             (Purpose::Message { .. }, Some(e)) => {
                 let why = format!("reading a rendezvous message failed: {e}");

@@ -100,12 +100,27 @@ async fn authenticate(inner: &Inner, incoming: Incoming) -> Result<(Connection, 
     }
 }
 
+/// Payloads above this many bytes may be read into a receive's memory in place.
+const LARGE: u64 = 64 * 1024;
+
 /// Delivers the frames of an authenticated message stream; `Ok` on a goodbye.
 async fn read_messages(inner: &Inner, peer: Rank, mut recv: RecvStream) -> Result<(), TransportError> {
     let limits = FrameLimits { max_payload: inner.cfg.get_max_payload(), peer };
     loop {
         let h = wire::read_header(&mut recv, limits).await?;
         match h.kind {
+            // A large payload goes straight into the receiver's memory if a receive waits
+            // for it there; a payload in one chunk is delivered without a copy.
+            FrameKind::Data if h.len > LARGE => match inner.mailbox.claim(peer, h.ctx, h.tag, h.len) {
+                Some(mut claim) => {
+                    wire::read_payload_into(&mut recv, peer, claim.bytes_mut()).await?;
+                    inner.mailbox.complete_claim(claim);
+                }
+                None => {
+                    let payload = wire::read_payload(&mut recv, peer, h.len).await?;
+                    inner.mailbox.deliver(Envelope { src: peer, ctx: h.ctx, tag: h.tag, payload });
+                }
+            },
             FrameKind::Data => {
                 let payload = wire::read_payload(&mut recv, peer, h.len).await?;
                 inner.mailbox.deliver(Envelope { src: peer, ctx: h.ctx, tag: h.tag, payload });

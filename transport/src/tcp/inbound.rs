@@ -17,7 +17,7 @@ use crate::error::{FrameError, TransportError};
 use crate::frame::{FrameHeader, FrameKind, FrameLimits, HEADER_LEN};
 use crate::ids::Rank;
 use crate::landing::Part;
-use crate::matching::{Envelope, Mailbox, PeerEnd};
+use crate::matching::{Claim, Envelope, Mailbox, PeerEnd};
 use crate::window::{self, GetRequest, GetTable, WindowError, WindowTable};
 use bytes::{Buf, BufMut, BytesMut};
 use mio::unix::SourceFd;
@@ -59,15 +59,32 @@ struct ReadState {
 enum Big {
     /// Its own buffer.
     Buf(BytesMut),
-    /// The part a get reads into, filled up to `.1`.
-    Part(Part, usize),
+    /// The receiver's memory, filled up to `.1`.
+    Mem(Mem, usize),
+}
+
+/// Receiver's memory a payload is read into in place.
+enum Mem {
+    /// A get's part.
+    Get(Part),
+    /// A receive's part, claimed from the mailbox.
+    Recv(Claim),
+}
+
+impl Mem {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Mem::Get(p) => p.as_mut_slice(),
+            Mem::Recv(c) => c.bytes_mut(),
+        }
+    }
 }
 
 impl Big {
     fn filled(&self) -> usize {
         match self {
             Big::Buf(b) => b.len(),
-            Big::Part(_, n) => *n,
+            Big::Mem(_, n) => *n,
         }
     }
 
@@ -75,8 +92,8 @@ impl Big {
     fn extend(&mut self, bytes: &[u8]) {
         match self {
             Big::Buf(b) => b.extend_from_slice(bytes),
-            Big::Part(p, n) => {
-                p.as_mut_slice()[*n..*n + bytes.len()].copy_from_slice(bytes);
+            Big::Mem(m, n) => {
+                m.bytes_mut()[*n..*n + bytes.len()].copy_from_slice(bytes);
                 *n += bytes.len();
             }
         }
@@ -86,8 +103,8 @@ impl Big {
     fn recv(&mut self, fd: std::os::fd::RawFd, want: usize) -> std::io::Result<usize> {
         match self {
             Big::Buf(b) => crate::sys::recv_nonblocking(fd, &mut b.limit(want)),
-            Big::Part(p, n) => {
-                let mut rest = &mut p.as_mut_slice()[*n..];
+            Big::Mem(m, n) => {
+                let mut rest = &mut m.bytes_mut()[*n..];
                 let got = crate::sys::recv_nonblocking(fd, &mut (&mut rest).limit(want))?;
                 *n += got;
                 Ok(got)
@@ -292,7 +309,10 @@ impl Reader {
                 }
                 match st.big.take() {
                     Some((h, Big::Buf(big))) => self.dispatch(peer, h, big.freeze())?,
-                    Some((h, Big::Part(part, _))) => self.one_sided.gets.complete_landed(peer, h.request_id(), part),
+                    Some((h, Big::Mem(Mem::Get(part), _))) => {
+                        self.one_sided.gets.complete_landed(peer, h.request_id(), part);
+                    }
+                    Some((_, Big::Mem(Mem::Recv(claim), _))) => self.mailbox.complete_claim(claim),
                     None => {}
                 }
                 continue;
@@ -320,10 +340,14 @@ impl Reader {
                 self.dispatch(peer, h, payload)?;
             } else {
                 st.buf.advance(HEADER_LEN);
-                let landing = (h.kind == FrameKind::GetReply)
-                    .then(|| self.one_sided.gets.take_landing(peer, h.request_id(), h.len))
-                    .flatten();
-                let mut big = landing.map_or_else(|| Big::Buf(BytesMut::with_capacity(len)), |p| Big::Part(p, 0));
+                // The payload goes straight into the receiver's memory if a get or a
+                // receive waits for it there.
+                let mem = match h.kind {
+                    FrameKind::GetReply => self.one_sided.gets.take_landing(peer, h.request_id(), h.len).map(Mem::Get),
+                    FrameKind::Data => self.mailbox.claim(peer, h.ctx, h.tag, h.len).map(Mem::Recv),
+                    _ => None,
+                };
+                let mut big = mem.map_or_else(|| Big::Buf(BytesMut::with_capacity(len)), |m| Big::Mem(m, 0));
                 let take = st.buf.len().min(len);
                 big.extend(&st.buf[..take]);
                 st.buf.advance(take);

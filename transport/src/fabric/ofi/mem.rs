@@ -12,6 +12,7 @@
 use super::{check, close, Attrs, Domain, Ep, OfiError};
 use crate::fabric::sys;
 use crate::landing::Part;
+use crate::matching::Claim;
 use bytes::Bytes;
 use std::cell::UnsafeCell;
 use std::ffi::c_void;
@@ -198,6 +199,8 @@ pub(in crate::fabric) enum ReadMem {
     New(Vec<u8>),
     /// A get's destination in the reader's memory.
     Part(Part),
+    /// A receive's memory, claimed for a rendezvous message.
+    Claim(Claim),
 }
 
 impl ReadMem {
@@ -211,6 +214,7 @@ impl ReadMem {
         match self {
             Self::New(v) => v.len(),
             Self::Part(p) => p.len(),
+            Self::Claim(c) => c.len(),
         }
     }
 
@@ -218,6 +222,7 @@ impl ReadMem {
         match self {
             Self::New(v) => v,
             Self::Part(p) => p.as_mut_slice(),
+            Self::Claim(c) => c.bytes_mut(),
         }
     }
 }

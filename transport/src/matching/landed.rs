@@ -1,0 +1,233 @@
+//! Receives into a [`Part`] of the receiver's memory.
+//!
+//! A receive posted with a part ([`Mailbox::post_into`]) matches like any other. A
+//! message it takes from the queue, or that a backend delivers whole, is copied into the
+//! part. A backend that reads a large payload itself can do better: on the message's
+//! header it asks for a [`Claim`] ([`Mailbox::claim`]), and reads the payload straight
+//! into the claimed part, without a buffer and a copy. A claim is granted only for a
+//! receive that names the message's source and waits for exactly its length, and only
+//! if it is the receive the message would match anyway: the oldest posted receive that
+//! matches (no queued message can match it, or it would have taken that). Matching
+//! order is thus unchanged; the message is matched when its header arrives instead of
+//! when its last byte does.
+
+use super::{Envelope, Mailbox, Pattern, Reply, SrcMatch};
+use crate::error::TransportError;
+use crate::ids::{Context, Rank, Tag};
+use crate::landing::Part;
+use bytes::Bytes;
+use tokio::sync::oneshot;
+
+/// A message received into the part its receive was posted with.
+#[derive(Debug)]
+pub struct Landed {
+    /// Sender.
+    pub src: Rank,
+    /// Context it was sent in.
+    pub ctx: Context,
+    /// Its tag.
+    pub tag: Tag,
+    /// The part, holding the payload.
+    pub part: Part,
+}
+
+impl Landed {
+    /// The message as an envelope (a copy of the payload), for a receiver that gave up
+    /// on it and must not lose it.
+    #[must_use]
+    pub fn into_envelope(self) -> Envelope {
+        Envelope { src: self.src, ctx: self.ctx, tag: self.tag, payload: Bytes::copy_from_slice(self.part.as_slice()) }
+    }
+}
+
+/// Copies `env`'s payload into `part`; an error if the sizes differ.
+pub(super) fn land(env: &Envelope, mut part: Part) -> Result<Landed, TransportError> {
+    if env.payload.len() != part.len() {
+        return Err(TransportError::SizeMismatch {
+            peer: env.src,
+            expected: part.len() as u64,
+            got: env.payload.len() as u64,
+        });
+    }
+    part.as_mut_slice().copy_from_slice(&env.payload);
+    Ok(Landed { src: env.src, ctx: env.ctx, tag: env.tag, part })
+}
+
+/// The outcome of posting a receive into a part.
+#[derive(Debug)]
+pub enum PostingInto {
+    /// A queued message matched at once (copied into the part, or refused for its size).
+    Ready(Result<Landed, TransportError>),
+    /// The receive is posted; cancel it with [`Mailbox::cancel`] and the id if the wait
+    /// is abandoned.
+    Posted(u64, oneshot::Receiver<Result<Landed, TransportError>>),
+}
+
+/// A posted receive a backend reads one message's payload into; see the module docs.
+/// Dropped without [`Mailbox::complete_claim`] (the connection broke mid-payload), it
+/// fails its receive with [`TransportError::PeerLost`].
+pub struct Claim {
+    src: Rank,
+    ctx: Context,
+    tag: Tag,
+    part: Option<Part>,
+    tx: Option<oneshot::Sender<Result<Landed, TransportError>>>,
+}
+
+impl Claim {
+    /// Where the payload goes (of the length the claim was granted for).
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        self.part.as_mut().map_or(&mut [], Part::as_mut_slice)
+    }
+
+    /// The payload's length.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.part.as_ref().map_or(0, Part::len)
+    }
+
+    /// Whether the payload is empty.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl std::fmt::Debug for Claim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Claim(from {}, {}, {})", self.src, self.ctx, self.tag)
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(Err(TransportError::PeerLost(self.src)));
+        }
+    }
+}
+
+impl Mailbox {
+    /// Takes the oldest matching queued message into `part`, or posts a receive into it.
+    ///
+    /// # Errors
+    /// As [`Mailbox::post`].
+    pub fn post_into(&self, pattern: Pattern, part: Part) -> Result<PostingInto, TransportError> {
+        let mut st = self.lock();
+        if let Some(env) = st.take_queued(&pattern)? {
+            drop(st);
+            return Ok(PostingInto::Ready(land(&env, part)));
+        }
+        let (tx, rx) = oneshot::channel();
+        Ok(PostingInto::Posted(st.push(pattern, Reply::Into(part, tx)), rx))
+    }
+
+    /// For a backend that has read the header of a message of `len` bytes from `src`:
+    /// the posted receive it matches, if that receive waits for exactly this message in
+    /// a part (see the module docs); `None`, and the message is delivered as usual.
+    pub fn claim(&self, src: Rank, ctx: Context, tag: Tag, len: u64) -> Option<Claim> {
+        let mut st = self.lock();
+        let i = st.posted.iter().position(|p| p.pattern.matches(src, ctx, tag))?;
+        let p = &st.posted[i];
+        let fits = |part: &Part, tx: &oneshot::Sender<_>| part.len() as u64 == len && !tx.is_closed();
+        if p.pattern.src != SrcMatch::Rank(src) || !matches!(&p.reply, Reply::Into(part, tx) if fits(part, tx)) {
+            return None;
+        }
+        match st.posted.remove(i).map(|p| p.reply) {
+            Some(Reply::Into(part, tx)) => Some(Claim { src, ctx, tag, part: Some(part), tx: Some(tx) }),
+            // Checked just above.
+            _ => None,
+        }
+    }
+
+    /// Completes a claim whose part now holds the payload. If its receiver gave up
+    /// meanwhile, the message is given back (copied) and keeps its place.
+    pub fn complete_claim(&self, mut claim: Claim) {
+        let (Some(part), Some(tx)) = (claim.part.take(), claim.tx.take()) else { return };
+        let landed = Landed { src: claim.src, ctx: claim.ctx, tag: claim.tag, part };
+        if let Err(Ok(back)) = tx.send(Ok(landed)) {
+            self.give_back(back.into_envelope());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::landing::Landing;
+    use crate::matching::TagMatch;
+
+    fn from(src: u32) -> Pattern {
+        Pattern { ctx: Context(0), src: SrcMatch::Rank(Rank(src)), tag: TagMatch::Tag(Tag(1)) }
+    }
+
+    fn env(src: u32, body: &'static [u8]) -> Envelope {
+        Envelope { src: Rank(src), ctx: Context(0), tag: Tag(1), payload: Bytes::from_static(body) }
+    }
+
+    fn posted(p: PostingInto) -> oneshot::Receiver<Result<Landed, TransportError>> {
+        match p {
+            PostingInto::Posted(_, rx) => rx,
+            PostingInto::Ready(_) => panic!("nothing was queued"),
+        }
+    }
+
+    #[test]
+    fn queued_and_delivered_messages_are_copied_in() {
+        let m = Mailbox::new();
+        let l = Landing::new(vec![0; 2], 16).unwrap();
+        m.deliver(env(1, b"abc"));
+        let PostingInto::Ready(Ok(a)) = m.post_into(from(1), l.part(0..3).unwrap()).unwrap() else { panic!() };
+        assert_eq!(a.part.as_slice(), b"abc");
+        let mut rx = posted(m.post_into(from(1), l.part(3..5).unwrap()).unwrap());
+        m.deliver(env(1, b"xyz"));
+        let err = rx.try_recv().unwrap().unwrap_err();
+        assert!(err.to_string().contains("3 bytes"), "{err}");
+        let mut rx = posted(m.post_into(from(1), l.part(3..5).unwrap()).unwrap());
+        m.deliver(env(1, b"ok"));
+        assert_eq!(rx.try_recv().unwrap().unwrap().part.as_slice(), b"ok");
+    }
+
+    #[test]
+    fn claims_keep_the_matching_order() {
+        let m = Mailbox::new();
+        let l = Landing::new(vec![0; 2], 16).unwrap();
+        // The oldest matching receive is an ordinary one: no claim.
+        let super::super::Posting::Posted(_, mut plain) = m.post(from(1)).unwrap() else { panic!() };
+        let mut rx = posted(m.post_into(from(1), l.part(0..4).unwrap()).unwrap());
+        assert!(m.claim(Rank(1), Context(0), Tag(1), 4).is_none());
+        m.deliver(env(1, b"1st"));
+        assert_eq!(plain.try_recv().unwrap().unwrap().payload, &b"1st"[..]);
+        // Now it is the receive into the part, but only for its exact length and source.
+        assert!(m.claim(Rank(1), Context(0), Tag(1), 5).is_none());
+        assert!(m.claim(Rank(2), Context(0), Tag(1), 4).is_none());
+        let mut c = m.claim(Rank(1), Context(0), Tag(1), 4).unwrap();
+        assert!(m.claim(Rank(1), Context(0), Tag(1), 4).is_none(), "claimed once");
+        c.bytes_mut().copy_from_slice(b"2nd!");
+        m.complete_claim(c);
+        assert_eq!(rx.try_recv().unwrap().unwrap().part.as_slice(), b"2nd!");
+        // A wildcard receive is never claimed.
+        let any = Pattern { src: SrcMatch::Any, ..from(1) };
+        let _rx = posted(m.post_into(any, l.part(8..12).unwrap()).unwrap());
+        assert!(m.claim(Rank(1), Context(0), Tag(1), 4).is_none());
+    }
+
+    #[test]
+    fn a_claim_broken_or_abandoned_loses_nothing() {
+        let m = Mailbox::new();
+        let l = Landing::new(vec![0; 2], 16).unwrap();
+        let mut rx = posted(m.post_into(from(1), l.part(0..4).unwrap()).unwrap());
+        let c = m.claim(Rank(1), Context(0), Tag(1), 4).unwrap();
+        drop(c);
+        assert!(matches!(rx.try_recv().unwrap(), Err(TransportError::PeerLost(Rank(1)))));
+        // The receiver gives up while the payload is being read: the message is queued.
+        let rx = posted(m.post_into(from(1), l.part(0..4).unwrap()).unwrap());
+        let mut c = m.claim(Rank(1), Context(0), Tag(1), 4).unwrap();
+        drop(rx);
+        c.bytes_mut().copy_from_slice(b"kept");
+        m.complete_claim(c);
+        assert_eq!(m.queued(), 1);
+        let super::super::Posting::Ready(e) = m.post(from(1)).unwrap() else { panic!() };
+        assert_eq!(e.payload, &b"kept"[..]);
+    }
+}
