@@ -216,7 +216,7 @@ impl Move<'_> {
     pub(crate) async fn run(&self, method: Method, old: Bytes, new: Option<&mut Aligned>) -> Result<()> {
         match method {
             Method::P2p => self.p2p(old, new).await,
-            Method::Collective => self.collective(old, new.map(Aligned::bytes_mut)).await,
+            Method::Collective => self.collective(old, new).await,
             Method::Rma => self.rma(old, new).await,
         }
     }
@@ -306,7 +306,7 @@ impl Move<'_> {
         Ok(())
     }
 
-    async fn collective(&self, old: Bytes, mut new: Option<&mut [u8]>) -> Result<()> {
+    async fn collective(&self, old: Bytes, mut new: Option<&mut Aligned>) -> Result<()> {
         let size = self.t.size();
         // A member receives from at most every old rank in a round.
         let seg_len = (ROUND_BUDGET / self.old_n.max(1) as usize).clamp(MIN_ROUND_SEGMENT, SEGMENT);
@@ -320,6 +320,11 @@ impl Move<'_> {
                 inc[src] = segments(range, seg_len).collect();
             }
         }
+        // Incoming segments land straight in the new block.
+        let landing = match new.as_deref_mut() {
+            Some(block) => Some(std::mem::take(block).into_landing().ok_or_else(|| plan_error("block size"))?),
+            None => None,
+        };
         // Every member runs the same number of rounds, known without asking: enough for
         // the largest overlap there can be, which is no larger than the largest block.
         let largest = |n: u32| self.global.div_ceil(u64::from(n.max(1)));
@@ -333,14 +338,22 @@ impl Move<'_> {
                 pacer.segment_done().await;
             }
             let blocks = out.iter().map(|segs| segs.get(round).map_or_else(Bytes::new, |r| old.slice(r.clone())));
-            let got = self.t.alltoallv_bytes(blocks.collect()).await?;
-            if let Some(block) = new.as_deref_mut() {
-                for (src, segs) in inc.iter().enumerate() {
-                    if let Some(seg) = segs.get(round) {
-                        place(block, seg.clone(), &got[src], src)?;
+            let mut into = Vec::with_capacity(size);
+            for segs in &inc {
+                let part = match (&landing, segs.get(round)) {
+                    (Some(l), Some(seg)) => {
+                        let mut part = l.part(seg.clone()).ok_or_else(|| plan_error("overlapping segments"))?;
+                        crate::block::populate(part.as_mut_slice());
+                        Some(part)
                     }
-                }
+                    _ => None,
+                };
+                into.push(part);
             }
+            self.t.alltoallv_into(blocks.collect(), into).await?;
+        }
+        if let (Some(block), Some(l)) = (new, landing) {
+            *block = Aligned::from_landing(l).ok_or_else(|| plan_error("a receive still holds the block"))?;
         }
         Ok(())
     }
@@ -433,14 +446,6 @@ fn segments(r: Range<usize>, len: usize) -> impl Iterator<Item = Range<usize>> {
 fn round_robin(counts: &[(usize, usize)]) -> Vec<usize> {
     let most = counts.iter().map(|c| c.1).max().unwrap_or(0);
     (0..most).flat_map(|i| counts.iter().filter(move |c| i < c.1).map(|c| c.0)).collect()
-}
-
-fn place(block: &mut [u8], seg: Range<usize>, b: &[u8], src: usize) -> Result<()> {
-    if b.len() != seg.len() {
-        return Err(Error::LengthMismatch { what: "redistribution", expected: seg.len(), got: b.len(), src });
-    }
-    crate::block::fill(&mut block[seg], b);
-    Ok(())
 }
 
 fn plan_error(what: &str) -> Error {
