@@ -9,10 +9,13 @@
 //!   segments of at most [`SEGMENT`] bytes, each after the target granted it: a target
 //!   keeps at most [`WINDOW`] segments in flight towards it (granted round-robin among
 //!   its sources), so what it holds besides its new block stays bounded however many
-//!   sources it has and however slowly it is scheduled. A process talks only to the
-//!   processes its blocks overlap with.
+//!   sources it has and however slowly it is scheduled. Before granting a segment, the
+//!   target posts a receive into the segment's place in its new block, so backends that
+//!   can read the payload there in place. A process talks only to the processes its
+//!   blocks overlap with.
 //! - [`Method::Collective`]: an alltoallv over the whole transition group, one round per
-//!   segment, every member sending a (possibly empty) block to every member. Segments
+//!   segment, every member sending a (possibly empty) block to every member, each
+//!   member's receives posted into the segments' places before its sends. Segments
 //!   shrink with the number of old ranks so that one round brings a member at most
 //!   [`ROUND_BUDGET`] bytes.
 //! - [`Method::Rma`]: each source exposes its old block as a window (a local
@@ -24,8 +27,10 @@
 //!   A get reads a whole overlap (one window query to its owner); a paced move reads
 //!   [`SEGMENT`]s, pausing after each.
 //!
-//! The new block is allocated once at its final size and filled in place; the old block
-//! is shared with the transport as `Bytes` without a copy.
+//! The new block is allocated once at its final size and lent to the transport in
+//! disjoint parts ([`ductile_transport::Landing`]) that gets and receives fill in place;
+//! the old block is shared with the transport as `Bytes` without a copy. Each part's
+//! pages are populated just before it is filled ([`crate::block`]).
 //!
 //! A move in the background is paced ([`Pacer`]): one segment in flight per target, and
 //! a pause after each so that the move keeps the processes busy only a share of the
