@@ -205,7 +205,9 @@ impl AsyncGroup {
     /// # Local
     ///
     /// # Errors
-    /// As [`AsyncGroup::get`]; the part is dropped (its range can be lent again).
+    /// As [`AsyncGroup::get`]. The part is then dropped once the backend lets go of it
+    /// (a read already under way finishes first); until then its landing cannot be
+    /// taken back.
     pub async fn get_into(&self, src: usize, id: WindowId, offset: u64, into: Part) -> Result<Part> {
         let from = self.member(src)?;
         let ep = &self.core.endpoint;

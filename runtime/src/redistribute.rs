@@ -55,8 +55,10 @@ pub const SEGMENT: usize = 8 << 20;
 pub const GETS_IN_FLIGHT: usize = 4;
 /// Largest get of the one-sided executor when it is not paced. Gets land in the new
 /// block in place, so their size costs no memory; larger gets mean fewer window queries
-/// to the owners, and the backend splits them as it needs.
-const LARGEST_GET: usize = 256 << 20;
+/// to the owners (one per overlap of up to this size), and the backend splits them as
+/// it needs. Bounded so that one get does not hold a tcp connection for long, nor post
+/// more than a few reads at once over fabric (8 of 8 MiB).
+const LARGEST_GET: usize = 64 << 20;
 /// Segments a target keeps in flight towards it in the point-to-point executor.
 pub const WINDOW: usize = 4;
 /// Most bytes one collective round brings a member. Senders can be one round ahead of
@@ -150,14 +152,14 @@ impl Pacer {
         Self { share: share.filter(|s| *s > 0.0 && *s < 1.0), since: std::time::Instant::now() }
     }
 
-    /// How many segments may be in flight: one when pacing (segments already granted
-    /// would arrive at full speed, however long the pauses between grants), else
-    /// `full`.
     /// Whether the move is paced.
     fn paced(&self) -> bool {
         self.share.is_some()
     }
 
+    /// How many segments may be in flight: one when pacing (segments already granted
+    /// would arrive at full speed, however long the pauses between grants), else
+    /// `full`.
     fn window(&self, full: usize) -> usize {
         if self.share.is_some() {
             1

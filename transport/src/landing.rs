@@ -1,7 +1,7 @@
 //! Memory that gets read into in place ([`crate::Transport::get_into`]).
 //!
-//! A [`Landing`] owns one buffer (8-byte aligned: a registered block of any plain
-//! element type fits it). It lends disjoint ranges of it as [`Part`]s, each an owned,
+//! A [`Landing`] owns one buffer (8-byte aligned, like the runtime's registered
+//! blocks). It lends disjoint ranges of it as [`Part`]s, each an owned,
 //! exclusive handle that a backend may hold on another thread (the TCP reader, a
 //! libfabric read in flight) for as long as it writes; the buffer lives as long as any
 //! part does, so a get abandoned mid-read never writes into freed memory. The buffer is
@@ -64,8 +64,8 @@ impl Landing {
             return None;
         }
         let mut lent = self.lent.lock().unwrap_or_else(PoisonError::into_inner);
-        // An empty range holds no byte, so it overlaps nothing.
-        let overlaps = |r: &Range<usize>| r.start < range.end && range.start < r.end;
+        // An empty range holds no byte, so it overlaps nothing (lent or asked for).
+        let overlaps = |r: &Range<usize>| !r.is_empty() && r.start < range.end && range.start < r.end;
         if !range.is_empty() && lent.iter().any(overlaps) {
             return None;
         }
@@ -159,12 +159,16 @@ mod tests {
         let mut b = l.part(10..30).unwrap();
         let e1 = l.part(3..3).unwrap();
         let e2 = l.part(3..3).unwrap();
+        let e3 = l.part(30..30).unwrap();
         a.as_mut_slice().fill(1);
         b.as_mut_slice().fill(2);
         assert_eq!(b.as_slice(), &[2; 20]);
         drop((e1, e2));
         drop(a);
+        // A lent empty part does not keep a range around it from being lent.
+        let e4 = l.part(5..5).unwrap();
         let a2 = l.part(2..8).unwrap();
+        drop((e3, e4));
         let l = match Landing::into_words(l) {
             Ok(_) => panic!("parts are still out"),
             Err(l) => l,

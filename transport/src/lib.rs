@@ -9,6 +9,8 @@
 //! - [`transport`]: the object-safe [`Transport`] trait, the backend registry
 //!   ([`bind`]) and the [`Endpoint`] the runtime uses.
 //! - [`window`]: memory exposed for one-sided reads (gets), shared by the backends.
+//! - [`landing`]: the receiver's memory lent in parts, which gets and receives fill in
+//!   place (no intermediate buffer, no copy on backends that read payloads themselves).
 //! - [`tcp`]: the default backend on tokio; [`mem`]: an in-process backend for tests.
 //!
 //! Terms: a *rank* is a process's index in its job's endpoint table; a *context*

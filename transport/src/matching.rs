@@ -148,6 +148,8 @@ struct State {
     unexpected: VecDeque<Envelope>,
     posted: VecDeque<Posted>,
     ended: HashMap<Rank, PeerEnd>,
+    /// Receives claimed by backends and not yet completed, by source (see [`landed`]).
+    claims: Vec<(Rank, std::sync::Weak<landed::ClaimReply>)>,
     next_id: u64,
     closed: bool,
 }
@@ -274,6 +276,7 @@ impl Mailbox {
     pub fn peer_ended(&self, r: Rank, how: PeerEnd) {
         let mut st = self.lock();
         st.ended.insert(r, how);
+        st.fail_claims(Some(r), || how.error(r));
         let mut kept = VecDeque::with_capacity(st.posted.len());
         for p in st.posted.drain(..) {
             if p.pattern.src == SrcMatch::Rank(r) {
@@ -295,6 +298,7 @@ impl Mailbox {
     pub fn close(&self) {
         let mut st = self.lock();
         st.closed = true;
+        st.fail_claims(None, || TransportError::Closed);
         for p in st.posted.drain(..) {
             p.reply.fail(TransportError::Closed);
         }

@@ -75,13 +75,13 @@ impl Streams {
         }
     }
 
-    /// The read of a rendezvous message completed. Returns what can be delivered now.
     /// Whether message `head` of `rank` is the next of its stream with nothing before
     /// it still pending: handing it to a receive now keeps the order.
     pub(super) fn is_next(&self, rank: Rank, head: Head) -> bool {
         self.map.get(&(rank, head.stream)).map_or(head.seq == 0, |s| s.next == head.seq && s.pending.is_empty())
     }
 
+    /// The read of a rendezvous message completed. Returns what can be delivered now.
     pub(super) fn fill(&mut self, rank: Rank, head: Head, item: Item) -> Ready {
         let Some(s) = self.map.get_mut(&(rank, head.stream)) else { return Vec::new() };
         match s.pending.get_mut(&head.seq) {

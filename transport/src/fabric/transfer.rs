@@ -1,8 +1,9 @@
 //! Reads of remote registered memory: rendezvous messages and gets.
 //!
-//! A transfer reads `len` bytes into a fresh buffer (registered under `FI_MR_LOCAL`),
-//! in chunks of at most the provider's message size, and completes explicitly when
-//! every chunk's completion has been read. A get first obtains the window's descriptor
+//! A transfer reads `len` bytes into a fresh buffer, a get's part of the reader's memory,
+//! or the part of a receive claimed for a rendezvous message (registered under
+//! `FI_MR_LOCAL`), in chunks of at most the provider's message size, and completes
+//! explicitly when every chunk's completion has been read. A get first obtains the window's descriptor
 //! and a lease from its owner (see [`super::rma`]), checks the range against the
 //! window's size itself, reads, and releases the lease. A transfer whose waiter gave up
 //! or whose peer is gone keeps its buffer until its chunks complete (or the endpoint

@@ -11,11 +11,12 @@
 //! order is thus unchanged; the message is matched when its header arrives instead of
 //! when its last byte does.
 
-use super::{Envelope, Mailbox, Pattern, Reply, SrcMatch};
+use super::{Envelope, Mailbox, Pattern, Reply, SrcMatch, State};
 use crate::error::TransportError;
 use crate::ids::{Context, Rank, Tag};
 use crate::landing::Part;
 use bytes::Bytes;
+use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::oneshot;
 
 /// A message received into the part its receive was posted with.
@@ -63,15 +64,44 @@ pub enum PostingInto {
     Posted(u64, oneshot::Receiver<Result<Landed, TransportError>>),
 }
 
+/// The receiver's end of a claim, shared by the claim and the mailbox's list of claims
+/// in progress: whichever comes first answers the receive (the backend completing the
+/// claim, the mailbox failing it when its source ends or the mailbox closes).
+pub(super) struct ClaimReply(Mutex<Option<oneshot::Sender<Result<Landed, TransportError>>>>);
+
+impl ClaimReply {
+    fn take(&self) -> Option<oneshot::Sender<Result<Landed, TransportError>>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+}
+
+impl State {
+    /// Fails the claims in progress from `src` (every claim if `None`).
+    pub(super) fn fail_claims(&mut self, src: Option<Rank>, err: impl Fn() -> TransportError) {
+        self.claims.retain(|(r, reply)| {
+            let Some(reply) = reply.upgrade() else { return false };
+            if src.is_some_and(|s| s != *r) {
+                return true;
+            }
+            if let Some(tx) = reply.take() {
+                let _ = tx.send(Err(err()));
+            }
+            false
+        });
+    }
+}
+
 /// A posted receive a backend reads one message's payload into; see the module docs.
 /// Dropped without [`Mailbox::complete_claim`] (the connection broke mid-payload), it
-/// fails its receive with [`TransportError::PeerLost`].
+/// fails its receive with [`TransportError::PeerLost`]; the receive also fails as soon
+/// as the mailbox learns that the source ended, or closes, while the part stays with
+/// the backend until it lets go of the claim.
 pub struct Claim {
     src: Rank,
     ctx: Context,
     tag: Tag,
     part: Option<Part>,
-    tx: Option<oneshot::Sender<Result<Landed, TransportError>>>,
+    reply: Arc<ClaimReply>,
 }
 
 impl Claim {
@@ -101,7 +131,7 @@ impl std::fmt::Debug for Claim {
 
 impl Drop for Claim {
     fn drop(&mut self) {
-        if let Some(tx) = self.tx.take() {
+        if let Some(tx) = self.reply.take() {
             let _ = tx.send(Err(TransportError::PeerLost(self.src)));
         }
     }
@@ -134,7 +164,12 @@ impl Mailbox {
             return None;
         }
         match st.posted.remove(i).map(|p| p.reply) {
-            Some(Reply::Into(part, tx)) => Some(Claim { src, ctx, tag, part: Some(part), tx: Some(tx) }),
+            Some(Reply::Into(part, tx)) => {
+                let reply = Arc::new(ClaimReply(Mutex::new(Some(tx))));
+                st.claims.retain(|(_, r)| r.strong_count() > 0);
+                st.claims.push((src, Arc::downgrade(&reply)));
+                Some(Claim { src, ctx, tag, part: Some(part), reply })
+            }
             // Checked just above.
             _ => None,
         }
@@ -143,7 +178,7 @@ impl Mailbox {
     /// Completes a claim whose part now holds the payload. If its receiver gave up
     /// meanwhile, the message is given back (copied) and keeps its place.
     pub fn complete_claim(&self, mut claim: Claim) {
-        let (Some(part), Some(tx)) = (claim.part.take(), claim.tx.take()) else { return };
+        let (Some(part), Some(tx)) = (claim.part.take(), claim.reply.take()) else { return };
         let landed = Landed { src: claim.src, ctx: claim.ctx, tag: claim.tag, part };
         if let Err(Ok(back)) = tx.send(Ok(landed)) {
             self.give_back(back.into_envelope());
@@ -155,7 +190,7 @@ impl Mailbox {
 mod tests {
     use super::*;
     use crate::landing::Landing;
-    use crate::matching::TagMatch;
+    use crate::matching::{PeerEnd, TagMatch};
 
     fn from(src: u32) -> Pattern {
         Pattern { ctx: Context(0), src: SrcMatch::Rank(Rank(src)), tag: TagMatch::Tag(Tag(1)) }
@@ -210,6 +245,26 @@ mod tests {
         let any = Pattern { src: SrcMatch::Any, ..from(1) };
         let _rx = posted(m.post_into(any, l.part(8..12).unwrap()).unwrap());
         assert!(m.claim(Rank(1), Context(0), Tag(1), 4).is_none());
+    }
+
+    #[test]
+    fn a_claim_fails_at_once_when_its_source_ends_or_the_mailbox_closes() {
+        let m = Mailbox::new();
+        let l = Landing::new(vec![0; 2], 16).unwrap();
+        let mut rx2 = posted(m.post_into(from(2), l.part(0..4).unwrap()).unwrap());
+        let mut rx1 = posted(m.post_into(from(1), l.part(4..8).unwrap()).unwrap());
+        let c2 = m.claim(Rank(2), Context(0), Tag(1), 4).unwrap();
+        let mut c1 = m.claim(Rank(1), Context(0), Tag(1), 4).unwrap();
+        m.peer_ended(Rank(1), PeerEnd::Lost);
+        assert!(matches!(rx1.try_recv().unwrap(), Err(TransportError::PeerLost(Rank(1)))));
+        assert!(rx2.try_recv().is_err(), "another source's claim is not failed");
+        // The backend still holds the part; completing the failed claim changes nothing.
+        c1.bytes_mut().copy_from_slice(b"late");
+        m.complete_claim(c1);
+        assert_eq!(m.queued(), 0);
+        m.close();
+        assert!(matches!(rx2.try_recv().unwrap(), Err(TransportError::Closed)));
+        drop(c2);
     }
 
     #[test]

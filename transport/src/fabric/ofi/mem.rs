@@ -1,6 +1,7 @@
 //! Memory the provider may touch, each kind owned together with its registration so
 //! that the memory outlives it: the registration is a field declared (so dropped)
-//! before the memory. `Vec` and `Bytes` contents do not move when their owner does.
+//! before the memory. `Vec` and `Bytes` contents do not move when their owner does, nor
+//! do the bytes of a landing's part (see [`crate::landing`]).
 //!
 //! - [`LocalBuf`]: a send or receive buffer, registered if the provider needs local
 //!   registration (`FI_MR_LOCAL`).
