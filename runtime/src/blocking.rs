@@ -145,6 +145,11 @@ fn spin_wait(flag: &Flag, spin: Duration, progress: &impl Progress) -> bool {
             return false;
         }
         if progress.poll() {
+            // What the poll delivered may be what this thread waits for: look before
+            // reading the clock and pausing, which would only delay the answer.
+            if flag.woken.swap(false, Ordering::Acquire) {
+                return true;
+            }
             start = Instant::now();
         }
         rounds += 1;
