@@ -323,7 +323,7 @@ impl Inner {
             }
             return self.arrive(rank, head, Some(Item::Data { ctx, tag, payload: Bytes::new() }), true);
         }
-        let mem = claim.map_or_else(|| ReadMem::zeroed(n), ReadMem::Claim);
+        let mem = claim.map_or_else(|| ReadMem::new_buffer(n), ReadMem::Claim);
         let read = match lock(&self.sessions).addr_of(rank) {
             Some(src) => self.start_transfer(rank, src, region, 0, mem, purpose),
             None => Err("no address".into()),

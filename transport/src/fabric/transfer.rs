@@ -150,7 +150,11 @@ impl Inner {
         }
         // Every read into `dest` is done: the completions of all its chunks were read.
         let (got, claim) = match ReadDest::take(dest) {
-            Some(ReadMem::New(v)) => (Got::Bytes(Bytes::from(v)), None),
+            // SAFETY: no error, so every chunk's read completed successfully, and the
+            // chunks cover the whole buffer (an unposted chunk counts as an error).
+            Some(ReadMem::New(b)) if error.is_none() => (Got::Bytes(Bytes::from(unsafe { ReadMem::filled(b) })), None),
+            // Failed: its bytes are never looked at.
+            Some(ReadMem::New(_)) => (Got::Bytes(Bytes::new()), None),
             Some(ReadMem::Part(p)) => (Got::Landed(p), None),
             Some(ReadMem::Claim(c)) => (Got::Bytes(Bytes::new()), Some(c)),
             None => {
@@ -248,7 +252,7 @@ impl Inner {
             }
             Ok(n) => n,
         };
-        let mem = into.map_or_else(|| ReadMem::zeroed(n), ReadMem::Part);
+        let mem = into.map_or_else(|| ReadMem::new_buffer(n), ReadMem::Part);
         let (tx, rx) = oneshot::channel();
         if let Err(e) = self.start_transfer(dst, fi_addr, &region, offset, mem, Purpose::Get { done: tx, lease }) {
             release();

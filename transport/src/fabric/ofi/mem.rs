@@ -16,6 +16,7 @@ use crate::landing::Part;
 use crate::matching::Claim;
 use bytes::Bytes;
 use std::cell::UnsafeCell;
+use std::mem::MaybeUninit;
 use std::ffi::c_void;
 use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -115,8 +116,7 @@ impl Registrar {
 
     /// A destination for reads: `mem`, registered if the provider needs it.
     pub(in crate::fabric) fn read_dest(&self, mut mem: ReadMem) -> Result<Arc<ReadDest>, OfiError> {
-        let bytes = mem.bytes_mut();
-        let (base, len) = (bytes.as_mut_ptr(), bytes.len());
+        let (base, len) = (mem.base(), mem.len());
         let mr = if self.local && len > 0 {
             // SAFETY: the ReadDest owns `mem` (whose bytes never move: a Vec's heap
             // memory, or a part of a landing) and drops the Mr first (see `take`).
@@ -196,8 +196,11 @@ fn desc(mr: Option<&Mr>) -> *mut c_void {
 
 /// The memory reads write into.
 pub(in crate::fabric) enum ReadMem {
-    /// A new buffer (a rendezvous message, a get into a new buffer).
-    New(Vec<u8>),
+    /// A new buffer (a rendezvous message, a get into a new buffer), left uninitialised:
+    /// zeroing it first cost a pass over the memory as long as a fast read itself (4 MiB
+    /// gets over shm). It is read only once every read into it succeeded
+    /// ([`ReadMem::filled`]).
+    New(Box<[MaybeUninit<u8>]>),
     /// A get's destination in the reader's memory.
     Part(Part),
     /// A receive's memory, claimed for a rendezvous message.
@@ -205,9 +208,9 @@ pub(in crate::fabric) enum ReadMem {
 }
 
 impl ReadMem {
-    /// A new zeroed buffer of `len` bytes.
-    pub(in crate::fabric) fn zeroed(len: usize) -> Self {
-        Self::New(vec![0u8; len])
+    /// A new buffer of `len` bytes.
+    pub(in crate::fabric) fn new_buffer(len: usize) -> Self {
+        Self::New(Box::new_uninit_slice(len))
     }
 
     /// Its length in bytes.
@@ -219,12 +222,23 @@ impl ReadMem {
         }
     }
 
-    fn bytes_mut(&mut self) -> &mut [u8] {
+    /// Where its bytes start, for registration and the provider.
+    fn base(&mut self) -> *mut u8 {
         match self {
-            Self::New(v) => v,
-            Self::Part(p) => p.as_mut_slice(),
-            Self::Claim(c) => c.bytes_mut(),
+            Self::New(v) => v.as_mut_ptr().cast::<u8>(),
+            Self::Part(p) => p.as_mut_slice().as_mut_ptr(),
+            Self::Claim(c) => c.bytes_mut().as_mut_ptr(),
         }
+    }
+
+    /// A new buffer's bytes.
+    ///
+    /// # Safety
+    /// Every byte was written: reads covering the whole buffer all completed without
+    /// error.
+    pub(in crate::fabric) unsafe fn filled(b: Box<[MaybeUninit<u8>]>) -> Box<[u8]> {
+        // SAFETY: the caller guarantees that every byte is initialised.
+        unsafe { b.assume_init() }
     }
 }
 
