@@ -20,7 +20,7 @@ use crate::pod;
 use crate::reduce::{combine_bytes, ReduceOp, Reducible};
 use bytemuck::Pod;
 use bytes::Bytes;
-use ductile_transport::{Part, Tag, TagMatch};
+use ductile_transport::{Tag, TagMatch};
 use futures_util::future::try_join_all;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -363,47 +363,6 @@ impl AsyncGroup {
             out[(r + p - k - 1) % p] = b;
         }
         Ok(out)
-    }
-}
-
-impl AsyncGroup {
-    /// [`AsyncGroup::alltoallv_bytes`] whose incoming blocks land in `into[k]` where
-    /// given (of exactly the block's length; blocks from the others are received and
-    /// dropped). The receives are posted before anything is sent, so blocks that arrive
-    /// after them are read in place by backends that can; the own block is copied while
-    /// the others travel.
-    pub(crate) async fn alltoallv_into(&self, blocks: Vec<Bytes>, mut into: Vec<Option<Part>>) -> Result<()> {
-        let (p, r) = (self.size(), self.rank());
-        if blocks.len() != p || into.len() != p {
-            return Err(Error::Invalid(format!("alltoallv needs {p} blocks, got {} and {}", blocks.len(), into.len())));
-        }
-        let t = tag(Op::Alltoallv, 0);
-        let mut landed = Vec::new();
-        let mut dropped = Vec::new();
-        for k in 1..p {
-            let s = (r + p - k) % p;
-            match into[s].take() {
-                Some(part) => landed.push(self.post_in_place(s, t, part)?),
-                None => dropped.push(self.recv_from(Op::Alltoallv, 0, s)),
-            }
-        }
-        let sends = (1..p).map(|k| {
-            let d = (r + k) % p;
-            self.send_tagged(d, t, blocks[d].clone())
-        });
-        let own = async {
-            if let Some(mut part) = into[r].take() {
-                if part.len() != blocks[r].len() {
-                    let (expected, got) = (part.len(), blocks[r].len());
-                    return Err(Error::LengthMismatch { what: "alltoallv", expected, got, src: r });
-                }
-                crate::block::fill(part.as_mut_slice(), &blocks[r]);
-            }
-            Ok(())
-        };
-        let receive = futures_util::future::try_join(try_join_all(landed), try_join_all(dropped));
-        futures_util::future::try_join3(try_join_all(sends), receive, own).await?;
-        Ok(())
     }
 }
 

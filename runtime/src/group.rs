@@ -10,7 +10,9 @@ use crate::pod;
 use bytemuck::Pod;
 use bytes::Bytes;
 use ductile_transport::transport::describe;
-use ductile_transport::{Context, Endpoint, Part, Pattern, Rank, SrcMatch, Tag, TagMatch, TransportError, WindowId};
+use ductile_transport::{
+    Context, Endpoint, Part, Pattern, PendingRecv, Rank, Received, SrcMatch, Tag, TagMatch, TransportError, WindowId,
+};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::collections::HashMap;
@@ -120,6 +122,36 @@ impl AsyncGroup {
         Ok((env.payload.clone(), Status { source, tag: env.tag.0, len: env.payload.len() }))
     }
 
+    /// Posts a receive from `src` with `tag` (including runtime tags) now; the future
+    /// completes with the message.
+    pub(crate) fn post_tagged(
+        &self,
+        src: usize,
+        tag: Tag,
+    ) -> Result<impl std::future::Future<Output = Result<(Bytes, Status)>> + '_> {
+        let pattern = Pattern { ctx: self.core.ctx, src: SrcMatch::Rank(self.member(src)?), tag: TagMatch::Tag(tag) };
+        let pending = self.core.endpoint.post(pattern)?;
+        Ok(async move {
+            let env = self.await_posted(pattern, pending).await?;
+            let len = env.payload.len();
+            Ok((env.payload, Status { source: src, tag: tag.0, len }))
+        })
+    }
+
+    /// Waits for a posted receive, within the group's timeout unless inside a blocking
+    /// call (which bounds the whole call).
+    async fn await_posted<T: Received>(&self, pattern: Pattern, pending: PendingRecv<T>) -> Result<T> {
+        if self.timed {
+            let after = self.core.timeout;
+            Ok(tokio::time::timeout(after, pending)
+                .await
+                .map_err(|_| TransportError::Timeout { what: describe(&pattern), after })??)
+        } else {
+            *self.core.waiting_for.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(pattern);
+            Ok(pending.await?)
+        }
+    }
+
     /// Posts a receive from `src` with `tag` (including runtime tags) into `into` now;
     /// the future gives the part back holding the message, which must be exactly its
     /// length. Backends that can read the payload straight into the part.
@@ -132,14 +164,7 @@ impl AsyncGroup {
         let pattern = Pattern { ctx: self.core.ctx, src: SrcMatch::Rank(self.member(src)?), tag: TagMatch::Tag(tag) };
         let pending = self.core.endpoint.post_into(pattern, into)?;
         Ok(async move {
-            let landed = if self.timed {
-                tokio::time::timeout(self.core.timeout, pending)
-                    .await
-                    .map_err(|_| TransportError::Timeout { what: describe(&pattern), after: self.core.timeout })??
-            } else {
-                *self.core.waiting_for.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(pattern);
-                pending.await?
-            };
+            let landed = self.await_posted(pattern, pending).await?;
             let len = landed.part.len();
             Ok((landed.part, Status { source: src, tag: tag.0, len }))
         })

@@ -14,10 +14,11 @@
 //!   can read the payload there in place. A process talks only to the processes its
 //!   blocks overlap with.
 //! - [`Method::Collective`]: an alltoallv over the whole transition group, one round per
-//!   segment, every member sending a (possibly empty) block to every member, each
-//!   member's receives posted into the segments' places before its sends. Segments
-//!   shrink with the number of old ranks so that one round brings a member at most
-//!   [`ROUND_BUDGET`] bytes.
+//!   segment, every member sending a (possibly empty) block to every member. Every
+//!   round's receives are posted into the segments' places before anything is sent, so
+//!   a block that comes ahead of its round still lands in place. Segments shrink with
+//!   the number of old ranks so that one round brings a member at most [`ROUND_BUDGET`]
+//!   bytes.
 //! - [`Method::Rma`]: each source exposes its old block as a window (a local
 //!   registration) and tells each of its targets the window's id; each target reads
 //!   its overlaps straight into its new block (`get_into`: the backend writes the bytes
@@ -42,7 +43,7 @@ use crate::group::AsyncGroup;
 use bytes::Bytes;
 use ductile_redistrib::{block_range, drain_plan, source_plan, DrainPlan};
 use ductile_transport::{Tag, TagMatch, WindowId};
-use futures_util::future::{try_join, try_join_all};
+use futures_util::future::{try_join, try_join3, try_join_all, BoxFuture};
 use futures_util::stream::{self, FuturesUnordered, StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -314,7 +315,7 @@ impl Move<'_> {
     }
 
     async fn collective(&self, old: Bytes, mut new: Option<&mut Aligned>) -> Result<()> {
-        let size = self.t.size();
+        let (t, size, me) = (self.t, self.t.size(), self.t.rank());
         // A member receives from at most every old rank in a round.
         let seg_len = (ROUND_BUDGET / self.old_n.max(1) as usize).clamp(MIN_ROUND_SEGMENT, SEGMENT);
         let mut out: Vec<Vec<Range<usize>>> = vec![Vec::new(); size];
@@ -336,28 +337,54 @@ impl Move<'_> {
         // the largest overlap there can be, which is no larger than the largest block.
         let largest = |n: u32| self.global.div_ceil(u64::from(n.max(1)));
         let rounds = segments(0..self.bytes(largest(self.old_n).min(largest(self.new_n))), seg_len).count();
-        // Rounds hold every member back to the slowest, so one member paces them all.
-        // (If every member paced, each would count the others' pauses as its own work
-        // and pause longer, round after round.)
-        let mut pacer = Pacer::new(self.share.filter(|_| self.t.rank() == 0));
+        // Every round's receives are posted before anything is sent, in round order: a
+        // member's blocks arrive in round order, so each lands in its own receive, and
+        // one that comes ahead of this member's round still lands in place.
+        let mut posted = Vec::with_capacity(rounds);
         for round in 0..rounds {
-            if round > 0 {
-                pacer.segment_done().await;
-            }
-            let blocks = out.iter().map(|segs| segs.get(round).map_or_else(Bytes::new, |r| old.slice(r.clone())));
-            let mut into = Vec::with_capacity(size);
-            for segs in &inc {
-                let part = match (&landing, segs.get(round)) {
+            let mut recvs: Vec<BoxFuture<'_, Result<()>>> = Vec::with_capacity(size);
+            for src in (0..size).filter(|&s| s != me) {
+                match (&landing, inc[src].get(round)) {
                     (Some(l), Some(seg)) => {
                         let mut part = l.part(seg.clone()).ok_or_else(|| plan_error("overlapping segments"))?;
                         crate::block::populate(part.as_mut_slice());
-                        Some(part)
+                        let landed = t.post_in_place(src, self.tag, part)?;
+                        recvs.push(Box::pin(async move { landed.await.map(drop) }));
                     }
-                    _ => None,
-                };
-                into.push(part);
+                    _ => {
+                        let empty = t.post_tagged(src, self.tag)?;
+                        recvs.push(Box::pin(async move {
+                            let (b, _) = empty.await?;
+                            if b.is_empty() {
+                                Ok(())
+                            } else {
+                                Err(plan_error(&format!("{} unexpected bytes from member {src}", b.len())))
+                            }
+                        }));
+                    }
+                }
             }
-            self.t.alltoallv_into(blocks.collect(), into).await?;
+            posted.push(recvs);
+        }
+        // Rounds hold every member back to the slowest, so one member paces them all.
+        // (If every member paced, each would count the others' pauses as its own work
+        // and pause longer, round after round.)
+        let mut pacer = Pacer::new(self.share.filter(|_| me == 0));
+        for (round, recvs) in posted.into_iter().enumerate() {
+            if round > 0 {
+                pacer.segment_done().await;
+            }
+            let block = |d: usize| out[d].get(round).map_or_else(Bytes::new, |r| old.slice(r.clone()));
+            let sends = (1..size).map(|k| (me + k) % size).map(|d| t.send_tagged(d, self.tag, block(d)));
+            // The own segment is copied while the others travel.
+            let own = async {
+                if let (Some(l), Some(seg)) = (&landing, inc[me].get(round)) {
+                    let mut part = l.part(seg.clone()).ok_or_else(|| plan_error("overlapping segments"))?;
+                    crate::block::fill(part.as_mut_slice(), &block(me));
+                }
+                Ok(())
+            };
+            try_join3(try_join_all(sends), try_join_all(recvs), own).await?;
         }
         if let (Some(block), Some(l)) = (new, landing) {
             *block = Aligned::from_landing(l).ok_or_else(|| plan_error("a receive still holds the block"))?;
