@@ -193,11 +193,7 @@ impl Inner {
 
     /// Reads a range of `dst`'s window `id` into a new buffer; see the module docs.
     pub(super) async fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> Result<Bytes, TransportError> {
-        match self.get_with(dst, id, offset, len, None).await? {
-            Got::Bytes(b) => Ok(b),
-            // Not for a get without a part; handled anyway.
-            Got::Landed(p) => Ok(Bytes::copy_from_slice(p.as_slice())),
-        }
+        Ok(self.get_with(dst, id, offset, len, None).await?.into_bytes())
     }
 
     /// Reads a range of `dst`'s window `id` straight into `into`.
@@ -209,11 +205,7 @@ impl Inner {
         into: Part,
     ) -> Result<Part, TransportError> {
         let len = into.len() as u64;
-        match self.get_with(dst, id, offset, len, Some(into)).await? {
-            Got::Landed(p) => Ok(p),
-            // A get with a part completes with it.
-            Got::Bytes(_) => Err(TransportError::Closed),
-        }
+        self.get_with(dst, id, offset, len, Some(into)).await?.into_part()
     }
 
     /// A get of `len` bytes, into `into` (of that length) if given.
@@ -230,7 +222,11 @@ impl Inner {
         }
         let refused = |e: WindowError| TransportError::Window { peer: dst, what: e.to_string() };
         if dst == self.me.rank {
-            return self.windows.read(GetRequest { window: id, offset, len }).map(|b| landed(into, b)).map_err(refused);
+            return self
+                .windows
+                .read(GetRequest { window: id, offset, len })
+                .map(|b| Got::new(into, b))
+                .map_err(refused);
         }
         let (lease, size, region) = self.query(dst, id).await?;
         let fi_addr = lock(&self.sessions).addr_of(dst).ok_or(TransportError::PeerLost(dst))?;
@@ -242,7 +238,7 @@ impl Inner {
         let n = match usize::try_from(len) {
             Ok(0) => {
                 release();
-                return Ok(landed(into, Bytes::new()));
+                return Ok(Got::new(into, Bytes::new()));
             }
             // A length that fits the window fits the owner's address space, not
             // necessarily ours.
@@ -272,16 +268,5 @@ impl Inner {
         let (size, region) = decode_desc(&raw)
             .ok_or_else(|| TransportError::Window { peer: dst, what: "a malformed window descriptor".into() })?;
         Ok((req, size, region))
-    }
-}
-
-/// A local get's bytes (exactly the range asked for), in `into` if given.
-fn landed(into: Option<Part>, b: Bytes) -> Got {
-    match into {
-        Some(mut p) => {
-            p.as_mut_slice().copy_from_slice(&b);
-            Got::Landed(p)
-        }
-        None => Got::Bytes(b),
     }
 }

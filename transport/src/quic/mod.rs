@@ -186,15 +186,7 @@ impl Inner {
         let req = GetRequest { window: id, offset, len };
         let refused = |e: WindowError| TransportError::Window { peer: dst, what: e.to_string() };
         if dst == self.me.rank {
-            let local = self.windows.read(req).map_err(refused)?;
-            return Ok(match into {
-                Some(mut p) => {
-                    // The window table returned exactly the range asked for.
-                    p.as_mut_slice().copy_from_slice(&local);
-                    Got::Landed(p)
-                }
-                None => Got::Bytes(local),
-            });
+            return self.windows.read(req).map(|b| Got::new(into, b)).map_err(refused);
         }
         let cap = self.cfg.get_max_payload();
         if len > cap {
@@ -280,13 +272,7 @@ impl Transport for QuicTransport {
     }
 
     fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> BoxFuture<'_, Result<Bytes, TransportError>> {
-        Box::pin(async move {
-            match self.inner.get(dst, id, offset, len, None).await? {
-                Got::Bytes(b) => Ok(b),
-                // Not for a get without a part; handled anyway.
-                Got::Landed(p) => Ok(Bytes::copy_from_slice(p.as_slice())),
-            }
-        })
+        Box::pin(async move { Ok(self.inner.get(dst, id, offset, len, None).await?.into_bytes()) })
     }
 
     fn get_into(
@@ -298,11 +284,7 @@ impl Transport for QuicTransport {
     ) -> BoxFuture<'_, Result<Part, TransportError>> {
         Box::pin(async move {
             let len = into.len() as u64;
-            match self.inner.get(dst, id, offset, len, Some(into)).await? {
-                Got::Landed(p) => Ok(p),
-                // A get with a part completes with it.
-                Got::Bytes(_) => Err(TransportError::Closed),
-            }
+            self.inner.get(dst, id, offset, len, Some(into)).await?.into_part()
         })
     }
 }

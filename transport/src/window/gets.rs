@@ -22,6 +22,40 @@ pub enum Got {
     Landed(Part),
 }
 
+impl Got {
+    /// `bytes`, exactly the range a get asked for, in `into` (copied) if given.
+    #[must_use]
+    pub fn new(into: Option<Part>, bytes: Bytes) -> Self {
+        match into {
+            Some(mut p) => {
+                p.as_mut_slice().copy_from_slice(&bytes);
+                Got::Landed(p)
+            }
+            None => Got::Bytes(bytes),
+        }
+    }
+
+    /// The bytes of a get without a part (a part's are copied out: not expected).
+    #[must_use]
+    pub fn into_bytes(self) -> Bytes {
+        match self {
+            Got::Bytes(b) => b,
+            Got::Landed(p) => Bytes::copy_from_slice(p.as_slice()),
+        }
+    }
+
+    /// The part of a get with one.
+    ///
+    /// # Errors
+    /// The get completed with a new buffer instead, which a get with a part never does.
+    pub fn into_part(self) -> Result<Part, TransportError> {
+        match self {
+            Got::Landed(p) => Ok(p),
+            Got::Bytes(_) => Err(TransportError::Closed),
+        }
+    }
+}
+
 /// What a get resolves to.
 pub type GetResult = Result<Got, TransportError>;
 
@@ -92,10 +126,7 @@ impl GetTable {
         drop(pending);
         let res = match reply {
             Ok(data) if data.len() as u64 == p.len => match p.dest {
-                Dest::Into(mut part) => {
-                    part.as_mut_slice().copy_from_slice(&data);
-                    Ok(Got::Landed(part))
-                }
+                Dest::Into(part) => Ok(Got::new(Some(part), data)),
                 Dest::New | Dest::Lent => Ok(Got::Bytes(data)),
             },
             Ok(data) => Err(TransportError::Window {
@@ -176,11 +207,7 @@ pub async fn await_get(
     rx: oneshot::Receiver<GetResult>,
     request: impl Future<Output = Result<(), TransportError>>,
 ) -> Result<Bytes, TransportError> {
-    match await_result(table, id, rx, request).await? {
-        Got::Bytes(b) => Ok(b),
-        // Not for a get started without a part; handled anyway.
-        Got::Landed(p) => Ok(Bytes::copy_from_slice(p.as_slice())),
-    }
+    Ok(await_result(table, id, rx, request).await?.into_bytes())
 }
 
 /// [`await_get`] for a get started with [`GetTable::start_into`]: its part, holding the
@@ -194,11 +221,8 @@ pub async fn await_landed(
     rx: oneshot::Receiver<GetResult>,
     request: impl Future<Output = Result<(), TransportError>>,
 ) -> Result<Part, TransportError> {
-    match await_result(table, id, rx, request).await? {
-        Got::Landed(p) => Ok(p),
-        // A get started with a part always completes with it (`complete` copies).
-        Got::Bytes(_) => Err(TransportError::Closed),
-    }
+    // A get started with a part always completes with it (`complete` copies).
+    await_result(table, id, rx, request).await?.into_part()
 }
 
 async fn await_result(
