@@ -13,9 +13,9 @@ use ductile_transport::transport::describe;
 use ductile_transport::{
     Context, Endpoint, Part, Pattern, PendingRecv, Rank, Received, SrcMatch, Tag, TagMatch, TransportError, WindowId,
 };
+use rustc_hash::FxHashMap;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::runtime::Handle;
@@ -36,7 +36,8 @@ struct Core {
     ctx: Context,
     rank: usize,
     members: Vec<Rank>,
-    index: HashMap<Rank, usize>,
+    /// Group position of each member (FxHash: looked up on every message received).
+    index: FxHashMap<Rank, usize>,
     timeout: Duration,
     /// What the group's latest receive waits for, to name it when a wait times out.
     waiting_for: Mutex<Option<Pattern>>,
@@ -65,7 +66,7 @@ impl AsyncGroup {
         if members.get(rank) != Some(&endpoint.rank()) {
             return Err(Error::Invalid(format!("group position {rank} is not this endpoint ({})", endpoint.rank())));
         }
-        let index: HashMap<Rank, usize> = members.iter().enumerate().map(|(i, r)| (*r, i)).collect();
+        let index: FxHashMap<Rank, usize> = members.iter().enumerate().map(|(i, r)| (*r, i)).collect();
         if index.len() != members.len() {
             return Err(Error::Invalid("a rank appears twice in the group".into()));
         }

@@ -10,6 +10,7 @@ use super::wire::Head;
 use crate::ids::{Context, Rank, Tag};
 use bytes::Bytes;
 use rustc_hash::FxHashMap;
+use smallvec::{smallvec, SmallVec};
 use std::collections::BTreeMap;
 
 /// How far ahead of the next expected message a sequence number may run.
@@ -46,7 +47,7 @@ pub(super) struct Streams {
 }
 
 /// Items ready for delivery, in order, with their source rank.
-pub(super) type Ready = Vec<(Rank, Item)>;
+pub(super) type Ready = SmallVec<[(Rank, Item); 1]>;
 
 impl Streams {
     /// A message arrived: `item` is `None` for a rendezvous message still being read.
@@ -66,7 +67,7 @@ impl Streams {
             // The common case, the next message with nothing waiting: no map at all.
             Some(item) if head.seq == s.next && s.pending.is_empty() => {
                 s.next += 1;
-                Ok(vec![(rank, item)])
+                Ok(smallvec![(rank, item)])
             }
             item => {
                 s.pending.insert(head.seq, item.map_or(Slot::Reading, Slot::Ready));
@@ -83,16 +84,16 @@ impl Streams {
 
     /// The read of a rendezvous message completed. Returns what can be delivered now.
     pub(super) fn fill(&mut self, rank: Rank, head: Head, item: Item) -> Ready {
-        let Some(s) = self.map.get_mut(&(rank, head.stream)) else { return Vec::new() };
+        let Some(s) = self.map.get_mut(&(rank, head.stream)) else { return Ready::new() };
         match s.pending.get_mut(&head.seq) {
             Some(slot @ Slot::Reading) => *slot = Slot::Ready(item),
-            _ => return Vec::new(),
+            _ => return Ready::new(),
         }
         Self::drain(s)
     }
 
     fn drain(s: &mut Stream) -> Ready {
-        let mut out = Vec::new();
+        let mut out = Ready::new();
         while let Some(entry) = s.pending.first_entry() {
             if *entry.key() != s.next || matches!(entry.get(), Slot::Reading) {
                 break;
@@ -137,9 +138,9 @@ mod tests {
         assert!(s.arrive(Rank(2), head(1), Some(data(1))).unwrap().is_empty());
         assert!(s.arrive(Rank(2), head(2), None).unwrap().is_empty());
         let out = s.arrive(Rank(2), head(0), Some(data(0))).unwrap();
-        assert_eq!(out, vec![(Rank(2), data(0)), (Rank(2), data(1))]);
+        assert_eq!(out.into_vec(), vec![(Rank(2), data(0)), (Rank(2), data(1))]);
         assert!(s.arrive(Rank(2), head(3), Some(Item::Bye)).unwrap().is_empty());
-        assert_eq!(s.fill(Rank(2), head(2), data(2)), vec![(Rank(2), data(2)), (Rank(2), Item::Bye)]);
+        assert_eq!(s.fill(Rank(2), head(2), data(2)).into_vec(), vec![(Rank(2), data(2)), (Rank(2), Item::Bye)]);
     }
 
     #[test]

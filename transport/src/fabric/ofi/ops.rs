@@ -146,9 +146,20 @@ impl Ops {
         post: Post,
         deadline: Instant,
     ) -> Result<(), (Option<Op>, OfiError)> {
+        // The caller has just added the operation and not posted it: it is in the table
+        // (only a completion, a failed post or a backlog purge takes it out).
+        // Receive buffers have no order to keep, so with nothing queued they skip the
+        // backlog's lock.
+        if matches!(post.0, Kind::Recv { .. }) && !self.queued.load(Ordering::Acquire) {
+            match self.post_unchecked(ep, ctx, post) {
+                Ok(Posted::Yes) => return Ok(()),
+                Ok(Posted::Again) => {}
+                Err(e) => return Err((self.take(ctx as *mut c_void), e)),
+            }
+        }
         let mut backlog = lock(&self.backlog);
         if backlog.is_empty() {
-            match self.try_post(ep, ctx, post) {
+            match self.post_unchecked(ep, ctx, post) {
                 Ok(Posted::Yes) => return Ok(()),
                 Ok(Posted::Again) => {}
                 Err(e) => return Err((self.take(ctx as *mut c_void), e)),
@@ -159,17 +170,25 @@ impl Ops {
         Ok(())
     }
 
-    fn try_post(&self, ep: &Ep, ctx: usize, Post(post): Post) -> Result<Posted, OfiError> {
+    /// Posts a queued operation, if it is still in the table.
+    fn try_post(&self, ep: &Ep, ctx: usize, post: Post) -> Result<Posted, OfiError> {
         if !lock(&self.slots).contains_key(&ctx) {
             return Err(OfiError { call: "posting", code: sys::FI_ECANCELED as i32 });
         }
+        self.post_unchecked(ep, ctx, post)
+    }
+
+    /// Posts an operation known to be in the table and not yet posted.
+    fn post_unchecked(&self, ep: &Ep, ctx: usize, Post(post): Post) -> Result<Posted, OfiError> {
         let c = ctx as *mut c_void;
-        // SAFETY: a Post is only made by `add_*` from an operation put in the table
-        // (checked just above to still be there, so not completed): the memory is owned
-        // by that operation (its LocalBuf, or its share of the ReadDest, whose range
-        // `add_read` checked), heap memory that does not move, and `ctx` is the entry's
-        // boxed fi_context2. Entries leave the table only when their completion is read
-        // or their post fails, and the table is freed only after the endpoint is closed.
+        // SAFETY: a Post is only made by `add_*` from an operation put in the table, and
+        // this is called only while that operation is still there and not posted (just
+        // added by `post`'s caller, or checked by `try_post`), so not completed: the
+        // memory is owned by that operation (its LocalBuf, or its share of the ReadDest,
+        // whose range `add_read` checked), heap memory that does not move, and `ctx` is
+        // the entry's boxed fi_context2. Entries leave the table only when their
+        // completion is read or their post fails, and the table is freed only after the
+        // endpoint is closed.
         unsafe {
             match post {
                 Kind::Recv { buf, len, desc, tag } => ep.trecv(buf as *mut u8, len, desc as *mut c_void, tag, c),
