@@ -473,7 +473,7 @@ impl Group {
 mod tests {
     use super::*;
     use ductile_transport::mem::MemHub;
-    use ductile_transport::{Context, Rank};
+    use ductile_transport::{Context, Rank, WindowId};
     use std::time::Duration;
 
     /// Runs `f` on every rank of an in-memory job of `p` ranks, one thread each.
@@ -492,6 +492,32 @@ mod tests {
             })
             .collect();
         threads.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn gets_and_receives_fill_lent_parts() {
+        run(2, |g| {
+            let other = 1 - g.rank();
+            let mine: Vec<u8> = (0..100u8).map(|i| i.wrapping_mul(3).wrapping_add(g.rank() as u8)).collect();
+            let w = g.expose(Bytes::from(mine.clone())).unwrap();
+            g.send_value(other, 1, &w.0).unwrap();
+            let (theirs, _) = g.recv_value::<u32>(Some(other), Some(1)).unwrap();
+            g.send_bytes(other, 2, Bytes::from(mine.clone())).unwrap();
+            let landing = crate::Landing::new(vec![0; 32], 250).unwrap();
+            let part = g.get_into(other, WindowId(theirs), 10, landing.part(0..50).unwrap()).unwrap();
+            let want: Vec<u8> = (0..100u8).map(|i| i.wrapping_mul(3).wrapping_add(other as u8)).collect();
+            assert_eq!(part.as_slice(), &want[10..60]);
+            let (part2, st) = g.recv_in_place(other, 2, landing.part(50..150).unwrap()).unwrap();
+            assert_eq!((st.source, st.len), (other, 100));
+            assert_eq!(part2.as_slice(), &want[..]);
+            // A message of another size is an error, not a partial fill.
+            g.send_bytes(other, 3, Bytes::from_static(b"short")).unwrap();
+            assert!(g.recv_in_place(other, 3, landing.part(150..250).unwrap()).is_err());
+            drop((part, part2));
+            assert!(crate::Landing::into_words(landing).is_ok());
+            g.barrier().unwrap();
+            g.withdraw(w).unwrap();
+        });
     }
 
     #[test]
