@@ -102,6 +102,14 @@ impl AsyncGroup {
         Ok(self.core.endpoint.send(to, self.core.ctx, tag, payload).await?)
     }
 
+    /// Sends `payload` within this call if the transport takes it at once (a small
+    /// message to a connected peer): true if sent; false if nothing was sent and
+    /// [`AsyncGroup::send_bytes`] must send it.
+    fn send_now(&self, dst: usize, tag: u32, payload: &[u8]) -> Result<bool> {
+        let tag = Self::user_tag(tag)?;
+        Ok(self.core.endpoint.send_now(self.member(dst)?, self.core.ctx, tag, payload))
+    }
+
     /// Receives raw bytes by pattern, including runtime tags.
     pub(crate) async fn recv_tagged(&self, src: Option<usize>, tag: TagMatch) -> Result<(Bytes, Status)> {
         let src = match src {
@@ -120,7 +128,8 @@ impl AsyncGroup {
             .index
             .get(&env.src)
             .ok_or_else(|| Error::Invalid(format!("message from non-member {}", env.src)))?;
-        Ok((env.payload.clone(), Status { source, tag: env.tag.0, len: env.payload.len() }))
+        let len = env.payload.len();
+        Ok((env.payload, Status { source, tag: env.tag.0, len }))
     }
 
     /// Posts a receive from `src` with `tag` (including runtime tags) now; the future
@@ -384,6 +393,10 @@ impl Group {
     /// # Errors
     /// Bad rank or tag, or a transport error naming the peer.
     pub fn send<T: Pod>(&self, dst: usize, tag: u32, data: &[T]) -> Result<()> {
+        // A message that leaves at once is sent from `data` itself, without a copy.
+        if self.inner.send_now(dst, tag, bytemuck::cast_slice(data))? {
+            return Ok(());
+        }
         self.block(self.inner.send(dst, tag, data))
     }
 
@@ -404,6 +417,9 @@ impl Group {
     /// # Errors
     /// As [`Group::send`].
     pub fn send_bytes(&self, dst: usize, tag: u32, payload: Bytes) -> Result<()> {
+        if self.inner.send_now(dst, tag, &payload)? {
+            return Ok(());
+        }
         self.block(self.inner.send_bytes(dst, tag, payload))
     }
 

@@ -285,10 +285,19 @@ impl Endpoint {
             self.mailbox.deliver(Envelope { src: dst, ctx, tag, payload });
             return Ok(());
         }
-        if self.transport.send_at_once(dst, ctx, tag, &payload) {
+        if self.send_now(dst, ctx, tag, &payload) {
             return Ok(());
         }
         self.transport.send(dst, ctx, tag, payload).await
+    }
+
+    /// Sends a message to a peer within this call if the backend takes it at once (see
+    /// [`Transport::send_at_once`]): true if sent. False: nothing was sent, and
+    /// [`Endpoint::send`] sends it (and reports any error). A blocking send tries this
+    /// first, which spares the small-message path a future and an executor.
+    #[must_use]
+    pub fn send_now(&self, dst: Rank, ctx: Context, tag: Tag, payload: &[u8]) -> bool {
+        dst != self.rank && self.transport.send_at_once(dst, ctx, tag, payload)
     }
 
     /// Starts a receive: a future that resolves to the oldest matching message.

@@ -173,7 +173,7 @@ impl FabricTransport {
             name,
             ep,
             ops: ofi::Ops::default(),
-            used: Mutex::new(Vec::new()),
+            used: Mutex::new(smallvec::SmallVec::new()),
             unposted: AtomicBool::new(false),
             transfers: transfer::Transfers::default(),
             names: Mutex::new(HashMap::new()),

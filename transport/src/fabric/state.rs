@@ -13,6 +13,7 @@ use crate::ids::{Context, Rank, Tag};
 use crate::matching::{Envelope, Mailbox, PeerEnd};
 use crate::window::{GetTable, WindowTable};
 use bytes::Bytes;
+use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -38,7 +39,7 @@ pub(super) struct Inner {
     pub(super) registrar: Registrar,
     pub(super) ops: Ops,
     /// Receive buffers to post again (see `repost_later`), and whether there are any.
-    pub(super) used: Mutex<Vec<LocalBuf>>,
+    pub(super) used: Mutex<SmallVec<[LocalBuf; 4]>>,
     pub(super) unposted: AtomicBool,
     pub(super) transfers: Transfers,
     pub(super) sessions: Mutex<Sessions>,
