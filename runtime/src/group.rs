@@ -16,7 +16,7 @@ use ductile_transport::{
 use rustc_hash::FxHashMap;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::runtime::Handle;
 
@@ -39,8 +39,12 @@ struct Core {
     /// Group position of each member (FxHash: looked up on every message received).
     index: FxHashMap<Rank, usize>,
     timeout: Duration,
-    /// What the group's latest receive waits for, to name it when a wait times out.
-    waiting_for: Mutex<Option<Pattern>>,
+}
+
+thread_local! {
+    /// What the current blocking call of this thread last waited for, to name it if the
+    /// call times out (per thread: concurrent blocking calls do not mix their patterns).
+    static WAITING_FOR: std::cell::Cell<Option<Pattern>> = const { std::cell::Cell::new(None) };
 }
 
 /// The async core of a group. Cheap to clone.
@@ -70,8 +74,7 @@ impl AsyncGroup {
         if index.len() != members.len() {
             return Err(Error::Invalid("a rank appears twice in the group".into()));
         }
-        let waiting_for = Mutex::new(None);
-        Ok(Self { core: Arc::new(Core { endpoint, ctx, rank, members, index, timeout, waiting_for }), timed: true })
+        Ok(Self { core: Arc::new(Core { endpoint, ctx, rank, members, index, timeout }), timed: true })
     }
 
     /// This process's rank in the group.
@@ -120,7 +123,7 @@ impl AsyncGroup {
         let env = if self.timed {
             self.core.endpoint.recv(pattern, self.core.timeout).await?
         } else {
-            *self.core.waiting_for.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(pattern);
+            WAITING_FOR.set(Some(pattern));
             self.core.endpoint.post(pattern)?.await?
         };
         let source = *self
@@ -157,7 +160,7 @@ impl AsyncGroup {
                 .await
                 .map_err(|_| TransportError::Timeout { what: describe(&pattern), after })??)
         } else {
-            *self.core.waiting_for.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(pattern);
+            WAITING_FOR.set(Some(pattern));
             Ok(pending.await?)
         }
     }
@@ -352,10 +355,14 @@ impl Group {
     pub(crate) fn block<T, F: std::future::Future<Output = Result<T>>>(&self, f: F) -> Result<T> {
         let core = &self.inner.core;
         let ep = &core.endpoint;
-        match ep.blocking_call(|| crate::blocking::block_on(&self.handle, self.spin, core.timeout, ep, f)) {
+        // A call that waits for no receive (a send) must not be named after an earlier
+        // call's.
+        let outer = WAITING_FOR.take();
+        let r = ep.blocking_call(|| crate::blocking::block_on(&self.handle, self.spin, core.timeout, ep, f));
+        let waited = WAITING_FOR.replace(outer);
+        match r {
             Some(r) => r,
             None => {
-                let waited = core.waiting_for.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
                 let what = waited.map_or_else(|| "a send to complete".to_string(), |p| describe(&p));
                 Err(TransportError::Timeout { what, after: core.timeout }.into())
             }
