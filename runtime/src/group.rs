@@ -536,3 +536,30 @@ impl Group {
         self.block(self.inner.recv_value(src, tag))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ductile_transport::mem::MemHub;
+    use std::time::Duration;
+
+    #[test]
+    fn a_timeout_names_what_its_own_call_waited_for() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let members = vec![Rank(0), Rank(1)];
+        let mut eps = MemHub::endpoints(2).into_iter();
+        let mut groups = [0, 1].map(|r| {
+            let ep = eps.next().unwrap();
+            let g = AsyncGroup::new(ep, Context(0), members.clone(), r, Duration::from_millis(50)).unwrap();
+            Some(Group::new(g, rt.handle().clone(), Duration::from_micros(20)))
+        });
+        let (a, b) = (groups[0].take().unwrap(), groups[1].take().unwrap());
+        let e = a.recv_bytes(Some(1), Some(7)).unwrap_err().to_string();
+        assert!(e.contains("a message from rank 1 (tag 7"), "{e}");
+        // A receive that completed is not named by a later call that waits for none.
+        b.send_bytes(0, 8, Bytes::from_static(b"x")).unwrap();
+        assert_eq!(a.recv_bytes(Some(1), Some(8)).unwrap().0, Bytes::from_static(b"x"));
+        let e = a.block(std::future::pending::<Result<()>>()).unwrap_err().to_string();
+        assert!(e.contains("a send to complete") && !e.contains("a message"), "{e}");
+    }
+}
