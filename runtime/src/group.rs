@@ -1,7 +1,8 @@
 //! Groups: an ordered set of ranks with a private communication context.
 //!
 //! [`AsyncGroup`] is the async core; [`Group`] is the blocking API for SPMD code, each
-//! call running its async counterpart on the calling thread (see [`crate::blocking`]).
+//! call running its async counterpart on the calling thread (see [`crate::blocking`]),
+//! except a small send that the transport takes at once, which needs no executor.
 //! Group ranks are `usize` positions `0..size` in the group, which differ from the
 //! job's endpoint ranks once groups are built from process sets.
 
@@ -363,7 +364,7 @@ impl Group {
         match r {
             Some(r) => r,
             None => {
-                let what = waited.map_or_else(|| "a send to complete".to_string(), |p| describe(&p));
+                let what = waited.map_or_else(|| "its sends or gets to complete".to_string(), |p| describe(&p));
                 Err(TransportError::Timeout { what, after: core.timeout }.into())
             }
         }
@@ -560,6 +561,6 @@ mod tests {
         b.send_bytes(0, 8, Bytes::from_static(b"x")).unwrap();
         assert_eq!(a.recv_bytes(Some(1), Some(8)).unwrap().0, Bytes::from_static(b"x"));
         let e = a.block(std::future::pending::<Result<()>>()).unwrap_err().to_string();
-        assert!(e.contains("a send to complete") && !e.contains("a message"), "{e}");
+        assert!(e.contains("its sends or gets to complete") && !e.contains("a message"), "{e}");
     }
 }

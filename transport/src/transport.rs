@@ -68,7 +68,9 @@ pub trait Transport: Send + Sync + 'static {
     /// Sends a tagged message at once if the backend can without waiting (a peer it is
     /// connected to, a message small enough to leave in one call): true if sent, false
     /// if the caller must use [`Transport::send`]. The latency path skips the send's
-    /// future this way; the default never sends at once.
+    /// future this way; the default never sends at once. It may be called outside any
+    /// blocking call (no [`Transport::call_end`] follows), so a message it takes must be
+    /// wholly with the backend, nothing left for the calling thread's polling to move.
     fn send_at_once(&self, dst: Rank, ctx: Context, tag: Tag, payload: &[u8]) -> bool {
         let _ = (dst, ctx, tag, payload);
         false

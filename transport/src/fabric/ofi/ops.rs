@@ -210,8 +210,11 @@ impl Ops {
         // memory is owned by that operation (its LocalBuf, or its share of the ReadDest,
         // whose range `add_read` checked), heap memory that does not move, and `ctx` is
         // the entry's boxed fi_context2. Entries leave the table only when their
-        // completion is read or their post fails, and the table is freed only after the
-        // endpoint is closed.
+        // completion is read, their post fails, or (never posted) their backlog entry is
+        // removed with them (deadline passed, peer gone): an operation never leaves the
+        // table while its backlog entry remains, which matters because a context that
+        // leaves is reused for the next operation (`try_post` would otherwise find that
+        // one under the stale key). The table is freed only after the endpoint is closed.
         unsafe {
             match post {
                 Kind::Recv { buf, len, desc, tag } => ep.trecv(buf as *mut u8, len, desc as *mut c_void, tag, c),
