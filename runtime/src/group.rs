@@ -106,6 +106,12 @@ impl AsyncGroup {
         Ok(self.core.endpoint.send(to, self.core.ctx, tag, payload).await?)
     }
 
+    /// Whether one-sided reads of one owner are served one at a time by the transport
+    /// (see `Capabilities::serial_reads`).
+    pub(crate) fn serial_reads(&self) -> bool {
+        self.core.endpoint.transport().capabilities().serial_reads
+    }
+
     /// Sends `payload` within this call if the transport takes it at once (a small
     /// message to a connected peer): true if sent; false if nothing was sent and
     /// [`AsyncGroup::send_bytes`] must send it.

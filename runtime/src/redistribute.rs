@@ -26,7 +26,11 @@
 //!   its own overlap while the first gets are under way, then tells the source it is
 //!   done ("wait drains"); a source withdraws its window once all its targets are done.
 //!   A get reads a whole overlap (one window query to its owner); a paced move reads
-//!   [`SEGMENT`]s, pausing after each.
+//!   [`SEGMENT`]s, pausing after each. Over a transport that serves an owner's reads one
+//!   at a time (`Capabilities::serial_reads`: fabric's shm provider), an unpaced move's
+//!   targets take turns: a source announces its window to one target after the other,
+//!   each once the previous one is done, instead of all of them spinning on the owner's
+//!   lock together.
 //!
 //! The new block is allocated once at its final size and lent to the transport in
 //! disjoint parts ([`ductile_transport::Landing`]) that gets and receives fill in place;
@@ -396,8 +400,20 @@ impl Move<'_> {
         let (t, me) = (self.t, self.t.rank());
         let remote: Vec<(usize, Range<usize>)> = self.sends().into_iter().filter(|(k, _)| *k != me).collect();
         let window = if remote.is_empty() { None } else { Some(t.expose(old.clone())?) };
-        // Sources: announce the window to each target, then wait until each has read.
+        // Over a transport that serves one read of an owner at a time anyway, the
+        // targets of a source take turns (unpaced: a paced move reads one segment at a
+        // time already). Both sides know: the share and the transport are the job's.
+        let in_turn = !Pacer::new(self.share).paced() && t.serial_reads();
+        // Sources: announce the window to each target, then wait until each has read;
+        // in turns, one target after the other.
         let serve = async {
+            if in_turn {
+                for (k, _) in &remote {
+                    t.send_tagged(*k, self.tag, window_bytes(window)).await?;
+                    t.recv_tagged(Some(*k), TagMatch::Tag(self.done_tag)).await?;
+                }
+                return Ok::<(), Error>(());
+            }
             let announce = remote.iter().map(|(k, _)| t.send_tagged(*k, self.tag, window_bytes(window)));
             try_join_all(announce).await?;
             let drained = remote.iter().map(|(k, _)| t.recv_tagged(Some(*k), TagMatch::Tag(self.done_tag)));
@@ -417,12 +433,34 @@ impl Move<'_> {
             let mut gets = Vec::new();
             let mut sources = Vec::new();
             let mut own = None;
+            let mut fetches = Vec::new();
             for (src, range) in self.receives(&plan) {
                 // Where this overlap starts inside the source's block, in bytes.
                 let src_first = block_range(self.global, self.old_n, src as u32).start;
                 let at = self.bytes(first + plan.displs[src] - src_first);
                 if src == me {
                     own = Some((lend(range.clone())?, at));
+                    continue;
+                }
+                if in_turn {
+                    // Each source is read as soon as its turn comes, whatever the others
+                    // do (a target that waited for its sources in order could wait for
+                    // one serving a target that waits for it); the parts' pages are
+                    // populated while the turn is awaited.
+                    let parts = segments(range.clone(), seg_len)
+                        .map(|seg| Ok(((at + seg.start - range.start) as u64, lend(seg)?)))
+                        .collect::<Result<Vec<_>>>()?;
+                    fetches.push(async move {
+                        let mut parts = parts;
+                        for (_, part) in &mut parts {
+                            crate::block::populate(part.as_mut_slice());
+                        }
+                        let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
+                        let id = window_id(&b, src)?;
+                        let gets = parts.into_iter().map(|(offset, part)| t.get_into(src, id, offset, part));
+                        drop(try_join_all(gets).await?);
+                        t.send_tagged(src, self.done_tag, Bytes::new()).await
+                    });
                     continue;
                 }
                 let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
@@ -439,6 +477,7 @@ impl Move<'_> {
             }
             let window = pacer.window(GETS_IN_FLIGHT);
             let remote = async {
+                try_join_all(fetches).await?;
                 let mut done = stream::iter(gets).buffer_unordered(window);
                 while let Some(part) = done.try_next().await? {
                     drop(part);

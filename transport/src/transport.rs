@@ -43,6 +43,11 @@ pub struct Capabilities {
     /// backend's data itself (tcp, fabric). Otherwise the backend's own tasks do all of
     /// it, and a waiting thread that spins only takes their processor.
     pub polled: bool,
+    /// One-sided reads of one owner's memory are served one at a time: fabric's shm
+    /// provider holds the owner's region lock for the whole copy of each read, and
+    /// readers that come together spin on it, taking the processor from the one that
+    /// copies. Readers of such a backend do better taking turns.
+    pub serial_reads: bool,
 }
 
 /// A message transport backend.

@@ -223,7 +223,9 @@ impl Transport for FabricTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { tagged: true, one_sided: true, polled: true }
+        // libfabric 1.17's shm provider copies a read (CMA) under the owner's region
+        // lock; see `Capabilities::serial_reads`.
+        Capabilities { tagged: true, one_sided: true, polled: true, serial_reads: self.inner.attrs.provider == "shm" }
     }
 
     fn local_addr(&self) -> EndpointAddr {

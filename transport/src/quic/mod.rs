@@ -228,7 +228,7 @@ impl Transport for QuicTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { tagged: true, one_sided: true, polled: false }
+        Capabilities { tagged: true, one_sided: true, polled: false, serial_reads: false }
     }
 
     fn local_addr(&self) -> EndpointAddr {

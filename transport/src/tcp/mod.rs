@@ -312,7 +312,7 @@ impl Transport for TcpTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { tagged: true, one_sided: true, polled: true }
+        Capabilities { tagged: true, one_sided: true, polled: true, serial_reads: false }
     }
 
     fn local_addr(&self) -> EndpointAddr {
