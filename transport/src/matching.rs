@@ -15,6 +15,7 @@ use crate::landing::Part;
 use bytes::Bytes;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
+use std::task::{Context as TaskContext, Poll, Waker};
 use tokio::sync::oneshot;
 
 mod landed;
@@ -98,41 +99,56 @@ impl PeerEnd {
 
 /// Where a posted receive's message goes.
 enum Reply {
-    /// To the receiver, as it arrived.
-    Env(oneshot::Sender<Result<Envelope, TransportError>>),
+    /// Kept in the mailbox for the receiver ([`State::kept`]), which is woken with the
+    /// waker it left when it last looked. No channel: a small message's receive then
+    /// costs no allocation, and the receiver collects its message under the mailbox's
+    /// lock (see [`Mailbox::poll_posted`]).
+    Kept(Option<Waker>),
     /// Into the part, then to the receiver (see [`landed`]).
     Into(Part, oneshot::Sender<Result<Landed, TransportError>>),
 }
 
+/// Answers of receives, kept until their receivers collect them, by receive id.
+type Answers = Vec<(u64, Result<Envelope, TransportError>)>;
+
 impl Reply {
-    /// Hands `env` to the receiver; gives it back if the receiver is gone.
-    fn offer(self, env: Envelope) -> Option<Envelope> {
+    /// Hands `env` to the receive `id`: kept for it in `kept` (its waker is returned, to
+    /// wake once the lock is released), or copied into its part. Gives the message back
+    /// if the receiver is gone.
+    fn offer(self, id: u64, env: Envelope, kept: &mut Answers) -> Result<Option<Waker>, Envelope> {
         match self {
-            Reply::Env(tx) => match tx.send(Ok(env)) {
-                Ok(()) | Err(Err(_)) => None,
-                Err(Ok(back)) => Some(back),
-            },
+            Reply::Kept(waker) => {
+                kept.push((id, Ok(env)));
+                Ok(waker)
+            }
             Reply::Into(part, tx) => {
                 if tx.is_closed() {
-                    return Some(env);
+                    return Err(env);
                 }
                 match landed::land(&env, part) {
-                    Ok(l) => tx.send(Ok(l)).err().map(|_| env),
+                    Ok(l) => tx.send(Ok(l)).map(|()| None).map_err(|_| env),
                     Err(e) => {
                         // The message is the receive's, with an error: it was not
                         // the size asked for.
                         let _ = tx.send(Err(e));
-                        None
+                        Ok(None)
                     }
                 }
             }
         }
     }
 
-    fn fail(self, e: TransportError) {
+    /// Fails the receive `id` with `e`; returns the waker to wake.
+    fn fail(self, id: u64, e: TransportError, kept: &mut Answers) -> Option<Waker> {
         match self {
-            Reply::Env(tx) => drop(tx.send(Err(e))),
-            Reply::Into(_, tx) => drop(tx.send(Err(e))),
+            Reply::Kept(waker) => {
+                kept.push((id, Err(e)));
+                waker
+            }
+            Reply::Into(_, tx) => {
+                drop(tx.send(Err(e)));
+                None
+            }
         }
     }
 }
@@ -147,6 +163,8 @@ struct Posted {
 struct State {
     unexpected: VecDeque<Envelope>,
     posted: VecDeque<Posted>,
+    /// Answers to receives of [`Mailbox::post`], until their receivers collect them.
+    kept: Answers,
     ended: HashMap<Rank, PeerEnd>,
     /// Receives claimed by backends and not yet completed, by source (see [`landed`]).
     claims: Vec<(Rank, std::sync::Weak<landed::ClaimReply>)>,
@@ -186,9 +204,10 @@ impl State {
 pub enum Posting {
     /// A queued message matched at once.
     Ready(Envelope),
-    /// The receive is posted; the message arrives on the receiver. Cancel it with
-    /// [`Mailbox::cancel`] and the id if the wait is abandoned.
-    Posted(u64, oneshot::Receiver<Result<Envelope, TransportError>>),
+    /// The receive is posted under this id: collect its message with
+    /// [`Mailbox::poll_posted`], or withdraw it with [`Mailbox::withdraw`] if the wait
+    /// is abandoned.
+    Posted(u64),
 }
 
 /// The matching engine of one endpoint.
@@ -218,11 +237,17 @@ impl Mailbox {
             if st.posted[i].pattern.matches(env.src, env.ctx, env.tag) {
                 // Index is in range: checked by the loop condition.
                 let p = st.posted.remove(i).expect("index in range");
-                match p.reply.offer(env) {
-                    None => return,
+                match p.reply.offer(p.id, env, &mut st.kept) {
+                    Ok(waker) => {
+                        drop(st);
+                        if let Some(w) = waker {
+                            w.wake();
+                        }
+                        return;
+                    }
                     // The receiver gave up without cancelling: offer the message to
                     // the next matching posting (the one now at `i`).
-                    Some(back) => env = back,
+                    Err(back) => env = back,
                 }
             } else {
                 i += 1;
@@ -241,8 +266,39 @@ impl Mailbox {
         if let Some(env) = st.take_queued(&pattern)? {
             return Ok(Posting::Ready(env));
         }
-        let (tx, rx) = oneshot::channel();
-        Ok(Posting::Posted(st.push(pattern, Reply::Env(tx)), rx))
+        Ok(Posting::Posted(st.push(pattern, Reply::Kept(None))))
+    }
+
+    /// The message of receive `id` (of [`Mailbox::post`]) once it is there, or the
+    /// receive's error; until then the receiver is woken through `cx` when it comes.
+    /// A receive that is neither waiting nor answered (withdrawn) is an error.
+    pub fn poll_posted(&self, id: u64, cx: &mut TaskContext<'_>) -> Poll<Result<Envelope, TransportError>> {
+        let mut st = self.lock();
+        if let Some(i) = st.kept.iter().position(|(k, _)| *k == id) {
+            return Poll::Ready(st.kept.swap_remove(i).1);
+        }
+        match st.posted.iter_mut().find(|p| p.id == id).map(|p| &mut p.reply) {
+            Some(Reply::Kept(waker)) => {
+                if !waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                    *waker = Some(cx.waker().clone());
+                }
+                Poll::Pending
+            }
+            _ => Poll::Ready(Err(TransportError::Closed)),
+        }
+    }
+
+    /// Withdraws receive `id` (of [`Mailbox::post`]) whose receiver gave up: still
+    /// waiting, it is removed; answered but not collected, its message is returned (to
+    /// give back with [`Mailbox::give_back`], so that it keeps its place).
+    pub fn withdraw(&self, id: u64) -> Option<Envelope> {
+        let mut st = self.lock();
+        if let Some(pos) = st.posted.iter().position(|p| p.id == id) {
+            st.posted.remove(pos);
+            return None;
+        }
+        let i = st.kept.iter().position(|(k, _)| *k == id)?;
+        st.kept.swap_remove(i).1.ok()
     }
 
     /// Puts back a message that a receiver took but abandoned before using it, so that it
@@ -251,17 +307,25 @@ impl Mailbox {
         let mut st = self.lock();
         if let Some(pos) = st.posted.iter().position(|p| p.pattern.matches(env.src, env.ctx, env.tag)) {
             let p = st.posted.remove(pos).expect("position found");
-            if let Some(back) = p.reply.offer(env) {
-                drop(st);
-                self.give_back(back);
+            match p.reply.offer(p.id, env, &mut st.kept) {
+                Ok(waker) => {
+                    drop(st);
+                    if let Some(w) = waker {
+                        w.wake();
+                    }
+                }
+                Err(back) => {
+                    drop(st);
+                    self.give_back(back);
+                }
             }
             return;
         }
         st.unexpected.push_front(env);
     }
 
-    /// Withdraws a posted receive. Returns false when it was already satisfied (the
-    /// message is then on its receiver).
+    /// Withdraws a posted receive into a part ([`Mailbox::post_into`]). Returns false
+    /// when it was already satisfied (the message is then on its receiver).
     pub fn cancel(&self, id: u64) -> bool {
         let mut st = self.lock();
         if let Some(pos) = st.posted.iter().position(|p| p.id == id) {
@@ -277,16 +341,19 @@ impl Mailbox {
         let mut st = self.lock();
         st.ended.insert(r, how);
         st.fail_claims(Some(r), || how.error(r));
-        let mut kept = VecDeque::with_capacity(st.posted.len());
+        let st = &mut *st;
+        let mut waiting = VecDeque::with_capacity(st.posted.len());
+        let mut wake = Vec::new();
         for p in st.posted.drain(..) {
             if p.pattern.src == SrcMatch::Rank(r) {
                 // The receiver may be gone already; nothing to do then.
-                p.reply.fail(how.error(r));
+                wake.extend(p.reply.fail(p.id, how.error(r), &mut st.kept));
             } else {
-                kept.push_back(p);
+                waiting.push_back(p);
             }
         }
-        st.posted = kept;
+        st.posted = waiting;
+        wake.into_iter().for_each(Waker::wake);
     }
 
     /// Records that a peer is (again) connected, after a reconnection.
@@ -299,9 +366,12 @@ impl Mailbox {
         let mut st = self.lock();
         st.closed = true;
         st.fail_claims(None, || TransportError::Closed);
+        let st = &mut *st;
+        let mut wake = Vec::new();
         for p in st.posted.drain(..) {
-            p.reply.fail(TransportError::Closed);
+            wake.extend(p.reply.fail(p.id, TransportError::Closed, &mut st.kept));
         }
+        wake.into_iter().for_each(Waker::wake);
     }
 
     /// Number of queued unmatched messages (diagnostics).
@@ -334,6 +404,21 @@ mod tests {
         }
     }
 
+    fn posted(p: Posting) -> u64 {
+        match p {
+            Posting::Posted(id) => id,
+            Posting::Ready(..) => panic!("expected a posted receive"),
+        }
+    }
+
+    /// The answer to receive `id` if there is one yet.
+    pub(super) fn answer(m: &Mailbox, id: u64) -> Option<Result<Envelope, TransportError>> {
+        match m.poll_posted(id, &mut TaskContext::from_waker(Waker::noop())) {
+            Poll::Ready(r) => Some(r),
+            Poll::Pending => None,
+        }
+    }
+
     #[test]
     fn queued_messages_match_oldest_first() {
         let m = Mailbox::new();
@@ -351,13 +436,35 @@ mod tests {
     #[test]
     fn posted_receives_are_served_in_post_order() {
         let m = Mailbox::new();
-        let Posting::Posted(_, mut any) = m.post(pat(None, None)).unwrap() else { panic!() };
-        let Posting::Posted(_, mut from2) = m.post(pat(Some(2), None)).unwrap() else { panic!() };
+        let any = posted(m.post(pat(None, None)).unwrap());
+        let from2 = posted(m.post(pat(Some(2), None)).unwrap());
         m.deliver(env(2, 1, b"x"));
-        assert_eq!(any.try_recv().unwrap().unwrap().payload, &b"x"[..]);
-        assert!(from2.try_recv().is_err());
+        assert_eq!(answer(&m, any).unwrap().unwrap().payload, &b"x"[..]);
+        assert!(answer(&m, from2).is_none());
         m.deliver(env(2, 1, b"y"));
-        assert_eq!(from2.try_recv().unwrap().unwrap().payload, &b"y"[..]);
+        assert_eq!(answer(&m, from2).unwrap().unwrap().payload, &b"y"[..]);
+        // Collected once: the answer is gone.
+        assert!(matches!(answer(&m, from2), Some(Err(TransportError::Closed))));
+    }
+
+    #[test]
+    fn a_receiver_is_woken_once_its_message_is_kept() {
+        struct Count(std::sync::atomic::AtomicUsize);
+        impl std::task::Wake for Count {
+            fn wake(self: std::sync::Arc<Self>) {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let m = Mailbox::new();
+        let id = posted(m.post(pat(Some(1), None)).unwrap());
+        let count = std::sync::Arc::new(Count(std::sync::atomic::AtomicUsize::new(0)));
+        let waker = Waker::from(count.clone());
+        assert!(m.poll_posted(id, &mut TaskContext::from_waker(&waker)).is_pending());
+        assert!(m.poll_posted(id, &mut TaskContext::from_waker(&waker)).is_pending());
+        m.deliver(env(1, 1, b"z"));
+        assert_eq!(count.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+        let Poll::Ready(Ok(e)) = m.poll_posted(id, &mut TaskContext::from_waker(&waker)) else { panic!() };
+        assert_eq!(e.payload, &b"z"[..]);
     }
 
     #[test]
@@ -373,29 +480,38 @@ mod tests {
     #[test]
     fn cancelled_or_dropped_receivers_do_not_swallow_messages() {
         let m = Mailbox::new();
-        let Posting::Posted(id, _rx) = m.post(pat(Some(1), None)).unwrap() else { panic!() };
-        assert!(m.cancel(id));
-        let Posting::Posted(_, rx) = m.post(pat(Some(1), None)).unwrap() else { panic!() };
-        drop(rx);
+        let id = posted(m.post(pat(Some(1), None)).unwrap());
+        assert!(m.withdraw(id).is_none());
         m.deliver(env(1, 1, b"kept"));
         assert_eq!(ready(m.post(pat(Some(1), None)).unwrap()).payload, &b"kept"[..]);
+        // Answered but never collected: withdrawn, the message comes back and keeps its
+        // place ahead of a later one.
+        let id = posted(m.post(pat(Some(1), None)).unwrap());
+        m.deliver(env(1, 1, b"first"));
+        m.deliver(env(1, 1, b"second"));
+        m.give_back(m.withdraw(id).unwrap());
+        assert_eq!(ready(m.post(pat(Some(1), None)).unwrap()).payload, &b"first"[..]);
+        assert_eq!(ready(m.post(pat(Some(1), None)).unwrap()).payload, &b"second"[..]);
     }
 
     #[test]
     fn ended_peers_fail_their_receives_but_not_queued_messages() {
         let m = Mailbox::new();
-        let Posting::Posted(_, mut rx) = m.post(pat(Some(3), None)).unwrap() else { panic!() };
-        let Posting::Posted(_, mut any) = m.post(pat(None, None)).unwrap() else { panic!() };
+        let rx = posted(m.post(pat(Some(3), None)).unwrap());
+        let any = posted(m.post(pat(None, None)).unwrap());
         m.deliver(env(4, 1, b"early"));
-        assert_eq!(any.try_recv().unwrap().unwrap().payload, &b"early"[..]);
+        assert_eq!(answer(&m, any).unwrap().unwrap().payload, &b"early"[..]);
         m.deliver(env(3, 1, b"last words"));
-        assert!(rx.try_recv().is_ok());
+        assert!(answer(&m, rx).unwrap().is_ok());
         m.peer_ended(Rank(3), PeerEnd::Lost);
-        let Posting::Posted(_, mut rx) = m.post(pat(Some(4), None)).unwrap() else { panic!() };
+        let rx = posted(m.post(pat(Some(4), None)).unwrap());
         m.peer_ended(Rank(4), PeerEnd::Closed);
-        assert!(matches!(rx.try_recv().unwrap(), Err(TransportError::PeerClosed(Rank(4)))));
+        assert!(matches!(answer(&m, rx).unwrap(), Err(TransportError::PeerClosed(Rank(4)))));
+
         assert!(matches!(m.post(pat(Some(3), None)), Err(TransportError::PeerLost(Rank(3)))));
         m.peer_connected(Rank(3));
-        assert!(m.post(pat(Some(3), None)).is_ok());
+        let rx = posted(m.post(pat(Some(3), None)).unwrap());
+        m.close();
+        assert!(matches!(answer(&m, rx).unwrap(), Err(TransportError::Closed)));
     }
 }

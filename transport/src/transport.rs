@@ -315,7 +315,7 @@ impl Endpoint {
     pub fn post(&self, pattern: Pattern) -> Result<PendingRecv, TransportError> {
         let state = match self.mailbox.post(pattern)? {
             Posting::Ready(env) => PendingState::Ready(Some(Ok(env))),
-            Posting::Posted(id, rx) => PendingState::Waiting { id, rx },
+            Posting::Posted(id) => PendingState::Kept(id),
         };
         Ok(PendingRecv { state, mailbox: self.mailbox.clone() })
     }
@@ -448,11 +448,17 @@ pub fn describe(p: &Pattern) -> String {
 pub trait Received: Sized + Unpin {
     /// Gives the message back to `mailbox`, ahead of later ones.
     fn give_back(self, mailbox: &Mailbox);
+    /// The answer to receive `id`, kept by `mailbox` (see [`Mailbox::poll_posted`]).
+    fn poll_kept(mailbox: &Mailbox, id: u64, cx: &mut TaskContext<'_>) -> Poll<Result<Self, TransportError>>;
 }
 
 impl Received for Envelope {
     fn give_back(self, mailbox: &Mailbox) {
         mailbox.give_back(self);
+    }
+
+    fn poll_kept(mailbox: &Mailbox, id: u64, cx: &mut TaskContext<'_>) -> Poll<Result<Self, TransportError>> {
+        mailbox.poll_posted(id, cx)
     }
 }
 
@@ -460,11 +466,22 @@ impl Received for Landed {
     fn give_back(self, mailbox: &Mailbox) {
         mailbox.give_back(self.into_envelope());
     }
+
+    fn poll_kept(_: &Mailbox, _: u64, _: &mut TaskContext<'_>) -> Poll<Result<Self, TransportError>> {
+        // Receives into a part answer through their channel; none is ever kept.
+        Poll::Ready(Err(TransportError::Closed))
+    }
 }
 
 enum PendingState<T> {
     Ready(Option<Result<T, TransportError>>),
-    Waiting { id: u64, rx: oneshot::Receiver<Result<T, TransportError>> },
+    /// A receive of [`Mailbox::post`]: its answer is kept in the mailbox.
+    Kept(u64),
+    /// A receive into a part, answered through a channel.
+    Waiting {
+        id: u64,
+        rx: oneshot::Receiver<Result<T, TransportError>>,
+    },
     Done,
 }
 
@@ -478,8 +495,13 @@ impl<T: Received> Future for PendingRecv<T> {
     type Output = Result<T, TransportError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
-        let out = match &mut self.state {
+        let this = &mut *self;
+        let out = match &mut this.state {
             PendingState::Ready(r) => r.take().unwrap_or(Err(TransportError::Closed)),
+            PendingState::Kept(id) => match T::poll_kept(&this.mailbox, *id, cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(r) => r,
+            },
             PendingState::Waiting { rx, .. } => match Pin::new(rx).poll(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Ok(r)) => r,
@@ -495,6 +517,11 @@ impl<T: Received> Future for PendingRecv<T> {
 impl<T: Received> Drop for PendingRecv<T> {
     fn drop(&mut self) {
         match std::mem::replace(&mut self.state, PendingState::Done) {
+            PendingState::Kept(id) => {
+                if let Some(env) = self.mailbox.withdraw(id) {
+                    self.mailbox.give_back(env);
+                }
+            }
             PendingState::Waiting { id, mut rx } => {
                 if !self.mailbox.cancel(id) {
                     if let Ok(Ok(v)) = rx.try_recv() {

@@ -228,11 +228,11 @@ mod tests {
         let m = Mailbox::new();
         let l = Landing::new(vec![0; 2], 16).unwrap();
         // The oldest matching receive is an ordinary one: no claim.
-        let super::super::Posting::Posted(_, mut plain) = m.post(from(1)).unwrap() else { panic!() };
+        let super::super::Posting::Posted(plain) = m.post(from(1)).unwrap() else { panic!() };
         let mut rx = posted(m.post_into(from(1), l.part(0..4).unwrap()).unwrap());
         assert!(m.claim(Rank(1), Context(0), Tag(1), 4).is_none());
         m.deliver(env(1, b"1st"));
-        assert_eq!(plain.try_recv().unwrap().unwrap().payload, &b"1st"[..]);
+        assert_eq!(super::super::tests::answer(&m, plain).unwrap().unwrap().payload, &b"1st"[..]);
         // Now it is the receive into the part, but only for its exact length and source.
         assert!(m.claim(Rank(1), Context(0), Tag(1), 5).is_none());
         assert!(m.claim(Rank(2), Context(0), Tag(1), 4).is_none());
