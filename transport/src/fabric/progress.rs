@@ -264,7 +264,7 @@ impl Inner {
         match msg {
             Msg::Data { head, ctx, tag } => {
                 let payload = Bytes::copy_from_slice(body.get(DATA_HEADER..).unwrap_or_default());
-                arrive(head, Item::Data { ctx, tag, payload });
+                self.arrive_data(rank, head, ctx, tag, payload);
             }
             Msg::Rts { head, ctx, tag, len, id, region } => self.rendezvous(rank, (head, ctx, tag, len, id), &region),
             Msg::Bye { head } => arrive(head, Item::Bye),

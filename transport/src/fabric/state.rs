@@ -253,7 +253,30 @@ impl Inner {
     /// happens under the streams lock, so that two threads reading completions cannot
     /// reorder a stream; a goodbye ends its peer once the lock is released.
     pub(super) fn arrive(&self, rank: Rank, head: Head, item: Option<Item>, filled: bool) {
+        self.arrive_locked(lock(&self.streams), rank, head, item, filled);
+    }
+
+    /// A data message arrived whole: delivered at once if it is the next of its stream
+    /// with nothing waiting before it (the common case: no queue, no item to move),
+    /// otherwise as [`Inner::arrive`] does.
+    pub(super) fn arrive_data(&self, rank: Rank, head: Head, ctx: Context, tag: Tag, payload: Bytes) {
         let mut streams = lock(&self.streams);
+        if streams.take_next(rank, head) {
+            // Under the streams lock, as in `arrive`.
+            self.mailbox.deliver(Envelope { src: rank, ctx, tag, payload });
+            return;
+        }
+        self.arrive_locked(streams, rank, head, Some(Item::Data { ctx, tag, payload }), false);
+    }
+
+    fn arrive_locked(
+        &self,
+        mut streams: std::sync::MutexGuard<'_, Streams>,
+        rank: Rank,
+        head: Head,
+        item: Option<Item>,
+        filled: bool,
+    ) {
         let ready = if filled {
             Ok(item.map(|i| streams.fill(rank, head, i)).unwrap_or_default())
         } else {
