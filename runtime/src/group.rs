@@ -160,7 +160,7 @@ impl AsyncGroup {
 
     /// Waits for a posted receive, within the group's timeout unless inside a blocking
     /// call (which bounds the whole call).
-    async fn await_posted<T: Received>(&self, pattern: Pattern, pending: PendingRecv<T>) -> Result<T> {
+    async fn await_posted<T: Received>(&self, pattern: Pattern, pending: PendingRecv<'_, T>) -> Result<T> {
         if self.timed {
             let after = self.core.timeout;
             Ok(tokio::time::timeout(after, pending)

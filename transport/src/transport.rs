@@ -312,12 +312,12 @@ impl Endpoint {
     ///
     /// # Errors
     /// The source has ended or the endpoint is closed.
-    pub fn post(&self, pattern: Pattern) -> Result<PendingRecv, TransportError> {
+    pub fn post(&self, pattern: Pattern) -> Result<PendingRecv<'_>, TransportError> {
         let state = match self.mailbox.post(pattern)? {
             Posting::Ready(env) => PendingState::Ready(Some(Ok(env))),
             Posting::Posted(id) => PendingState::Kept(id),
         };
-        Ok(PendingRecv { state, mailbox: self.mailbox.clone() })
+        Ok(PendingRecv { state, mailbox: &self.mailbox })
     }
 
     /// Posts a receive into `part` (of this endpoint's memory) now; the message's payload
@@ -329,12 +329,12 @@ impl Endpoint {
     /// # Errors
     /// As [`Endpoint::post`]; the future fails with [`TransportError::SizeMismatch`] for
     /// a message of another size.
-    pub fn post_into(&self, pattern: Pattern, part: Part) -> Result<PendingRecv<Landed>, TransportError> {
+    pub fn post_into(&self, pattern: Pattern, part: Part) -> Result<PendingRecv<'_, Landed>, TransportError> {
         let state = match self.mailbox.post_into(pattern, part)? {
             PostingInto::Ready(r) => PendingState::Ready(Some(r)),
             PostingInto::Posted(id, rx) => PendingState::Waiting { id, rx },
         };
-        Ok(PendingRecv { state, mailbox: self.mailbox.clone() })
+        Ok(PendingRecv { state, mailbox: &self.mailbox })
     }
 
     /// Receives the oldest matching message within `timeout`.
@@ -486,19 +486,19 @@ enum PendingState<T> {
 }
 
 /// A posted receive; see [`Endpoint::post`] and [`Endpoint::post_into`].
-pub struct PendingRecv<T: Received = Envelope> {
+pub struct PendingRecv<'a, T: Received = Envelope> {
     state: PendingState<T>,
-    mailbox: Arc<Mailbox>,
+    mailbox: &'a Mailbox,
 }
 
-impl<T: Received> Future for PendingRecv<T> {
+impl<T: Received> Future for PendingRecv<'_, T> {
     type Output = Result<T, TransportError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
         let out = match &mut this.state {
             PendingState::Ready(r) => r.take().unwrap_or(Err(TransportError::Closed)),
-            PendingState::Kept(id) => match T::poll_kept(&this.mailbox, *id, cx) {
+            PendingState::Kept(id) => match T::poll_kept(this.mailbox, *id, cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(r) => r,
             },
@@ -514,7 +514,7 @@ impl<T: Received> Future for PendingRecv<T> {
     }
 }
 
-impl<T: Received> Drop for PendingRecv<T> {
+impl<T: Received> Drop for PendingRecv<'_, T> {
     fn drop(&mut self) {
         match std::mem::replace(&mut self.state, PendingState::Done) {
             PendingState::Kept(id) => {
@@ -525,11 +525,11 @@ impl<T: Received> Drop for PendingRecv<T> {
             PendingState::Waiting { id, mut rx } => {
                 if !self.mailbox.cancel(id) {
                     if let Ok(Ok(v)) = rx.try_recv() {
-                        v.give_back(&self.mailbox);
+                        v.give_back(self.mailbox);
                     }
                 }
             }
-            PendingState::Ready(Some(Ok(v))) => v.give_back(&self.mailbox),
+            PendingState::Ready(Some(Ok(v))) => v.give_back(self.mailbox),
             PendingState::Ready(_) | PendingState::Done => {}
         }
     }
