@@ -30,12 +30,7 @@ impl Wake for Flag {
 
     fn wake_by_ref(self: &Arc<Self>) {
         self.woken.store(true, Ordering::Release);
-        // The usual waker is the waiting thread itself, which delivered the message
-        // while it polled: it is not parked, and an unpark would only leave a token
-        // that makes its next park return at once.
-        if thread::current().id() != self.thread.id() {
-            self.thread.unpark();
-        }
+        self.thread.unpark();
     }
 }
 

@@ -114,7 +114,8 @@ type Answers = Vec<(u64, Result<Envelope, TransportError>)>;
 impl Reply {
     /// Hands `env` to the receive `id`: kept for it in `kept` (its waker is returned, to
     /// wake once the lock is released), or copied into its part. Gives the message back
-    /// if the receiver is gone.
+    /// if the receiver is gone (only a receive into a part can be: a kept answer waits
+    /// for its receiver, which withdraws it if it gives up).
     fn offer(self, id: u64, env: Envelope, kept: &mut Answers) -> Result<Option<Waker>, Envelope> {
         match self {
             Reply::Kept(waker) => {
@@ -245,8 +246,8 @@ impl Mailbox {
                         }
                         return;
                     }
-                    // The receiver gave up without cancelling: offer the message to
-                    // the next matching posting (the one now at `i`).
+                    // A receive into a part whose receiver gave up without cancelling:
+                    // offer the message to the next matching posting (now at `i`).
                     Err(back) => env = back,
                 }
             } else {
@@ -338,21 +339,25 @@ impl Mailbox {
 
     /// Records that a peer will send nothing more; fails the receives waiting on it alone.
     pub fn peer_ended(&self, r: Rank, how: PeerEnd) {
-        let mut st = self.lock();
-        st.ended.insert(r, how);
-        st.fail_claims(Some(r), || how.error(r));
-        let st = &mut *st;
-        let mut waiting = VecDeque::with_capacity(st.posted.len());
-        let mut wake = Vec::new();
-        for p in st.posted.drain(..) {
-            if p.pattern.src == SrcMatch::Rank(r) {
-                // The receiver may be gone already; nothing to do then.
-                wake.extend(p.reply.fail(p.id, how.error(r), &mut st.kept));
-            } else {
-                waiting.push_back(p);
+        let wake = {
+            let mut guard = self.lock();
+            let st = &mut *guard;
+            st.ended.insert(r, how);
+            st.fail_claims(Some(r), || how.error(r));
+            let mut waiting = VecDeque::with_capacity(st.posted.len());
+            let mut wake = Vec::new();
+            for p in st.posted.drain(..) {
+                if p.pattern.src == SrcMatch::Rank(r) {
+                    // The receiver may be gone already; nothing to do then.
+                    wake.extend(p.reply.fail(p.id, how.error(r), &mut st.kept));
+                } else {
+                    waiting.push_back(p);
+                }
             }
-        }
-        st.posted = waiting;
+            st.posted = waiting;
+            wake
+        };
+        // Woken once the lock is released, as in `deliver`.
         wake.into_iter().for_each(Waker::wake);
     }
 
@@ -363,14 +368,17 @@ impl Mailbox {
 
     /// Closes the mailbox: every posted receive fails.
     pub fn close(&self) {
-        let mut st = self.lock();
-        st.closed = true;
-        st.fail_claims(None, || TransportError::Closed);
-        let st = &mut *st;
-        let mut wake = Vec::new();
-        for p in st.posted.drain(..) {
-            wake.extend(p.reply.fail(p.id, TransportError::Closed, &mut st.kept));
-        }
+        let wake = {
+            let mut guard = self.lock();
+            let st = &mut *guard;
+            st.closed = true;
+            st.fail_claims(None, || TransportError::Closed);
+            let mut wake = Vec::new();
+            for p in st.posted.drain(..) {
+                wake.extend(p.reply.fail(p.id, TransportError::Closed, &mut st.kept));
+            }
+            wake
+        };
         wake.into_iter().for_each(Waker::wake);
     }
 
@@ -455,16 +463,31 @@ mod tests {
                 self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             }
         }
+        let counter = || std::sync::Arc::new(Count(std::sync::atomic::AtomicUsize::new(0)));
+        let woken = |c: &std::sync::Arc<Count>| c.0.load(std::sync::atomic::Ordering::SeqCst);
         let m = Mailbox::new();
         let id = posted(m.post(pat(Some(1), None)).unwrap());
-        let count = std::sync::Arc::new(Count(std::sync::atomic::AtomicUsize::new(0)));
-        let waker = Waker::from(count.clone());
-        assert!(m.poll_posted(id, &mut TaskContext::from_waker(&waker)).is_pending());
-        assert!(m.poll_posted(id, &mut TaskContext::from_waker(&waker)).is_pending());
+        let (first, second) = (counter(), counter());
+        let (w1, w2) = (Waker::from(first.clone()), Waker::from(second.clone()));
+        assert!(m.poll_posted(id, &mut TaskContext::from_waker(&w1)).is_pending());
+        // Polled again from elsewhere (another task): the latest waker is the one woken.
+        assert!(m.poll_posted(id, &mut TaskContext::from_waker(&w2)).is_pending());
         m.deliver(env(1, 1, b"z"));
-        assert_eq!(count.0.load(std::sync::atomic::Ordering::SeqCst), 1);
-        let Poll::Ready(Ok(e)) = m.poll_posted(id, &mut TaskContext::from_waker(&waker)) else { panic!() };
+        assert_eq!((woken(&first), woken(&second)), (0, 1));
+        let Poll::Ready(Ok(e)) = m.poll_posted(id, &mut TaskContext::from_waker(&w2)) else { panic!() };
         assert_eq!(e.payload, &b"z"[..]);
+        // A receive failed by its peer's end or by closing is woken too, and an answer
+        // withdrawn uncollected leaves nothing behind.
+        let (from2, any) = (posted(m.post(pat(Some(2), None)).unwrap()), posted(m.post(pat(None, None)).unwrap()));
+        let (third, fourth) = (counter(), counter());
+        assert!(m.poll_posted(from2, &mut TaskContext::from_waker(&Waker::from(third.clone()))).is_pending());
+        assert!(m.poll_posted(any, &mut TaskContext::from_waker(&Waker::from(fourth.clone()))).is_pending());
+        m.peer_ended(Rank(2), PeerEnd::Lost);
+        assert_eq!((woken(&third), woken(&fourth)), (1, 0));
+        m.close();
+        assert_eq!(woken(&fourth), 1);
+        assert!(m.withdraw(from2).is_none() && m.withdraw(any).is_none());
+        assert!(m.lock().kept.is_empty());
     }
 
     #[test]
