@@ -118,8 +118,17 @@ impl Certificate {
     }
 }
 
+/// ring's TLS 1.3 suites with AES-128-GCM first (ring lists AES-256-GCM first). Both
+/// sides are ours, and a rustls server follows the client's order, so every connection
+/// uses AES-128-GCM: TLS 1.3's mandatory suite (RFC 8446, 9.1), the one QUIC protects
+/// its first packets with. Its 10 AES rounds instead of 14 make bulk encryption
+/// cheaper, and encryption and decryption are a quarter of a streaming rank's CPU time.
+/// Measured on loopback, 4 MiB messages, alternating single jobs: AES-256-GCM against
+/// AES-128-GCM 2.41 against 2.61 GiB/s, then 2.42 against 2.50 (medians of 5 and 6).
 fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    let mut p = rustls::crypto::ring::default_provider();
+    p.cipher_suites.sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+    Arc::new(p)
 }
 
 /// A rustls or quinn setup error, as text.
@@ -299,6 +308,15 @@ mod tests {
         ] {
             assert_eq!(PeerAddr::parse(&bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn aes_128_gcm_is_offered_first_and_the_others_remain() {
+        let p = provider();
+        let suites: Vec<_> = p.cipher_suites.iter().map(rustls::SupportedCipherSuite::suite).collect();
+        assert_eq!(suites[0], rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+        let ring = rustls::crypto::ring::default_provider();
+        assert_eq!(suites.len(), ring.cipher_suites.len(), "no suite dropped: {suites:?}");
     }
 
     #[test]
