@@ -161,20 +161,25 @@ impl FabricTransport {
             attrs.domain,
             attrs.mr_mode
         );
+        let registrar = ofi::Registrar::new(&domain, &ep, &attrs);
+        let eager = RECV_BUF.min(attrs.max_msg_size);
+        let bufs = (0..progress::RECV_POSTED)
+            .map(|_| registrar.local(vec![0u8; eager], sys::FI_RECV))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| bind_err(e.to_string()))?;
+        let recv = ofi::RecvSlots::new(bufs, wire::TAG);
         let inner = Arc::new(Inner {
             sessions: Mutex::new(session::Sessions::new(setup.identity.clone())),
             me: setup.identity,
             mailbox: setup.mailbox,
-            eager: RECV_BUF.min(attrs.max_msg_size),
+            eager,
             chunk: CHUNK.min(attrs.max_msg_size),
             cfg: setup.config,
-            registrar: ofi::Registrar::new(&domain, &ep, &attrs),
+            registrar,
             attrs,
             name,
             ep,
-            ops: ofi::Ops::default(),
-            used: Mutex::new(smallvec::SmallVec::new()),
-            unposted: AtomicBool::new(false),
+            ops: ofi::Ops::new(recv),
             transfers: transfer::Transfers::default(),
             names: Mutex::new(HashMap::new()),
             streams: Mutex::new(stream::Streams::default()),
@@ -189,9 +194,9 @@ impl FabricTransport {
             pollers: AtomicUsize::new(0),
             progress_thread: std::sync::OnceLock::new(),
         });
-        for _ in 0..progress::RECV_POSTED {
-            inner.post_recv(None).map_err(|e| bind_err(e.to_string()))?;
-        }
+        // Posted only now: should it fail, `Inner`'s drop closes the endpoint before the
+        // slots' buffers and contexts go.
+        inner.ops.recv.post_unposted(&inner.ep).map_err(|e| bind_err(e.to_string()))?;
         let runner = inner.clone();
         let thread = std::thread::Builder::new()
             .name("ductile-fabric-progress".into())

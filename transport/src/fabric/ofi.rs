@@ -1,13 +1,15 @@
 //! A small safe layer over libfabric: the objects the backend opens, each closed when
 //! dropped, children before parents (every object holds its parent in an `Arc`); the
-//! memory the provider touches, owned with its registration ([`mem`]); and the table of
+//! memory the provider touches, owned with its registration ([`mem`]); the table of
 //! operations in flight, which owns their memory until their completions are read
-//! ([`ops`]). This module and [`super::sys`] hold all of the backend's `unsafe`.
+//! ([`ops`]); and the receive buffers, in fixed slots posted again and again
+//! ([`slots`]). This module and [`super::sys`] hold all of the backend's `unsafe`.
 //!
 //! Every object is opened on a domain with `FI_THREAD_SAFE` threading, so libfabric
 //! serialises concurrent calls on it itself; that is what makes the wrappers `Send` and
 //! `Sync`. The data transfer calls (`Ep::tsend`, `Ep::trecv`, `Ep::read`) take raw
-//! buffers: they are `unsafe fn`s, called only by the operation table.
+//! buffers: they are `unsafe fn`s, called only by the operation table and the receive
+//! slots.
 
 use super::sys;
 use std::ffi::{c_void, CStr};
@@ -19,11 +21,13 @@ mod ep;
 mod info;
 mod mem;
 mod ops;
+mod slots;
 
 pub(super) use ep::Posted;
 pub(super) use info::{Attrs, Info};
-pub(super) use mem::{LocalBuf, ReadDest, ReadMem, Registrar, Remote, RemoteKey};
+pub(super) use mem::{ReadDest, ReadMem, Registrar, Remote, RemoteKey};
 pub(super) use ops::{lock, Op, Ops, SendDone};
+pub(super) use slots::{RecvSlots, MAX_SLOTS};
 
 /// The libfabric API version the backend is written against: `FI_VERSION(1, 17)`.
 const API_VERSION: u32 = (1 << 16) | 17;

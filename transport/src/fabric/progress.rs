@@ -10,7 +10,7 @@
 //! and the backlog of posts that met a full queue.
 
 use super::ofi::{lock, Op};
-use super::ofi::{Completion, LocalBuf, ReadMem};
+use super::ofi::{Completion, ReadMem};
 use super::session::To;
 use super::state::Inner;
 use super::stream::Item;
@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 /// Receive buffers kept posted.
 pub(super) const RECV_POSTED: usize = 32;
+const _: () = assert!(RECV_POSTED <= super::ofi::MAX_SLOTS, "one bit per receive slot");
 /// How often the progress thread does its housekeeping.
 const TICK: Duration = Duration::from_millis(100);
 /// How long the progress thread sleeps while an application thread polls; an
@@ -39,22 +40,13 @@ const SPIN: u32 = 64;
 const BATCH: usize = 32;
 
 impl Inner {
-    /// Posts a receive buffer (a fresh one if `buf` is `None`).
-    pub(super) fn post_recv(&self, buf: Option<LocalBuf>) -> Result<(), super::ofi::OfiError> {
-        let buf = match buf {
-            Some(b) => b,
-            None => self.registrar.local(vec![0u8; self.eager], super::sys::FI_RECV)?,
-        };
-        let (ctx, post) = self.ops.add_recv(buf, super::wire::TAG);
-        let far = Instant::now() + Duration::from_secs(3600);
-        self.ops.post(&self.ep, ctx, post, far).map_err(|(_, e)| e)
-    }
-
     /// Reads what the completion queue has and acts on it, and retries the backlog.
     /// True if anything completed.
     pub(super) fn progress_once(&self) -> bool {
-        if self.unposted.load(Ordering::Acquire) {
-            self.repost_used();
+        // A thread that just received a message went back to its application first;
+        // its receive slot is posted again here, while the next message is awaited.
+        if self.ops.recv.any_unposted() {
+            self.repost();
         }
         let mut entries = [std::mem::MaybeUninit::<Completion>::uninit(); BATCH];
         let got = match self.ep.cq().read(&mut entries) {
@@ -81,6 +73,14 @@ impl Inner {
         let mut any = false;
         while let Some(e) = self.ep.cq().read_err() {
             any = true;
+            if let Some(slot) = self.ops.recv.slot_of(e.context) {
+                if e.code != super::sys::FI_ECANCELED as i32 {
+                    tracing::warn!("{}: a receive failed: {}", self.me.rank, e.text);
+                }
+                // Posted again by the next poll (not once the endpoint shuts down).
+                self.ops.recv.release(slot);
+                continue;
+            }
             match self.ops.take(e.context) {
                 Some(op) if e.code == super::sys::FI_ECANCELED as i32 => drop(op),
                 Some(op) => self.failed(op, e.text),
@@ -93,10 +93,6 @@ impl Inner {
     /// An operation failed (error completion, or its post did).
     fn failed(&self, op: Op, why: String) {
         match op {
-            Op::Recv(buf) => {
-                tracing::warn!("{}: a receive failed: {why}", self.me.rank);
-                self.repost(buf);
-            }
             Op::Send { peer, fi_addr, done, .. } => {
                 let who = peer.unwrap_or(self.me.rank);
                 if let Some(d) = done {
@@ -117,45 +113,27 @@ impl Inner {
         }
     }
 
-    fn repost(&self, buf: LocalBuf) {
+    /// Posts the receive slots that wait (not once the endpoint is shutting down).
+    fn repost(&self) {
         if self.shutdown.load(Ordering::Acquire) {
             return;
         }
-        if let Err(e) = self.post_recv(Some(buf)) {
-            tracing::error!("{}: cannot post a receive buffer: {e}", self.me.rank);
-        }
-    }
-
-    /// Keeps a receive buffer whose message was handled for the next poll to post
-    /// again: a thread that just received a message goes back to its application
-    /// first, and posts while it waits for the next one.
-    fn repost_later(&self, buf: LocalBuf) {
-        lock(&self.used).push(buf);
-        self.unposted.store(true, Ordering::Release);
-    }
-
-    fn repost_used(&self) {
-        let used = {
-            let mut used = lock(&self.used);
-            self.unposted.store(false, Ordering::Release);
-            std::mem::take(&mut *used)
-        };
-        for buf in used {
-            self.repost(buf);
+        if let Err(e) = self.ops.recv.post_unposted(&self.ep) {
+            tracing::error!("{}: cannot post a receive buffer (its slot is given up): {e}", self.me.rank);
         }
     }
 
     fn completed(&self, c: &Completion) {
+        if let Some(slot) = self.ops.recv.slot_of(c.op_context) {
+            self.ops.recv.with_message(slot, |bytes| self.received(c.tag, &bytes[..c.len.min(bytes.len())]));
+            self.ops.recv.release(slot);
+            return;
+        }
         let Some(op) = self.ops.take(c.op_context) else {
             tracing::warn!("{}: a completion for an unknown operation", self.me.rank);
             return;
         };
         match op {
-            Op::Recv(buf) => {
-                let bytes = buf.bytes();
-                self.received(c.tag, &bytes[..c.len.min(bytes.len())]);
-                self.repost_later(buf);
-            }
             Op::Send { done, .. } => {
                 if let Some(d) = done {
                     let _ = d.send(Ok(()));

@@ -1,6 +1,6 @@
 //! The backend's shared state, its sends, and what happens when a peer ends.
 
-use super::ofi::{lock, Attrs, Ep, LocalBuf, Op, Ops, Posted, Registrar, SendDone};
+use super::ofi::{lock, Attrs, Ep, Op, Ops, Posted, Registrar, SendDone};
 use super::rma::{Leases, Outgoing, Transfers};
 use super::session::{Dial, Sessions, To};
 use super::stream::{Item, Streams};
@@ -13,7 +13,6 @@ use crate::ids::{Context, Rank, Tag};
 use crate::matching::{Envelope, Mailbox, PeerEnd};
 use crate::window::{GetTable, WindowTable};
 use bytes::Bytes;
-use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,10 +36,8 @@ pub(super) struct Inner {
     pub(super) ep: Arc<Ep>,
     /// Registers memory as the provider needs (holds the domain and maybe the endpoint).
     pub(super) registrar: Registrar,
+    /// Operations in flight, and the posted receive buffers.
     pub(super) ops: Ops,
-    /// Receive buffers to post again (see `repost_later`), and whether there are any.
-    pub(super) used: Mutex<SmallVec<[LocalBuf; 4]>>,
-    pub(super) unposted: AtomicBool,
     pub(super) transfers: Transfers,
     pub(super) sessions: Mutex<Sessions>,
     /// Names inserted into the address vector, and their addresses.
@@ -376,9 +373,6 @@ impl Drop for Inner {
         // Registrations go first (FI_MR_ENDPOINT regions hold the endpoint), then the
         // endpoint (by field order), and only then the buffers it may write into.
         self.ops.drop_registrations();
-        for buf in lock(&self.used).iter_mut() {
-            buf.unregister();
-        }
         self.transfers.drop_registrations(&self.registrar);
         lock(&self.leases).clear();
         lock(&self.outgoing).clear();

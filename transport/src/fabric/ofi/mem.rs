@@ -174,6 +174,12 @@ pub(in crate::fabric) struct LocalBuf {
 }
 
 impl LocalBuf {
+    /// `mem` without a registration (unit tests of what holds buffers).
+    #[cfg(test)]
+    pub(in crate::fabric) fn unregistered(mem: Vec<u8>) -> Self {
+        Self { mr: None, mem }
+    }
+
     /// The bytes.
     pub(in crate::fabric) fn bytes(&self) -> &[u8] {
         &self.mem
@@ -186,6 +192,11 @@ impl LocalBuf {
 
     pub(super) fn raw(&self) -> (*const u8, usize, *mut c_void) {
         (self.mem.as_ptr(), self.mem.len(), desc(self.mr.as_ref()))
+    }
+
+    /// As [`LocalBuf::raw`], for memory the provider writes (a receive).
+    pub(super) fn raw_mut(&mut self) -> (*mut u8, usize, *mut c_void) {
+        (self.mem.as_mut_ptr(), self.mem.len(), desc(self.mr.as_ref()))
     }
 }
 

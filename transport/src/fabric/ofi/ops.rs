@@ -1,6 +1,7 @@
 //! Operations in flight and how they are posted.
 //!
-//! Every posted operation (receive buffer, send, RMA read) is owned by the [`Ops`]
+//! Receive buffers live in fixed slots ([`RecvSlots`], part of [`Ops`]). Every other
+//! posted operation (send, RMA read) is owned by the [`Ops`]
 //! table from before it is posted until its completion is read, keyed by the address of
 //! its boxed `fi_context2` (the context libfabric hands back; providers with the
 //! `FI_CONTEXT`/`FI_CONTEXT2` modes write into it). Each operation owns the memory the
@@ -11,7 +12,7 @@
 //! whoever makes progress, and failed once its deadline passes.
 
 use super::mem::{LocalBuf, ReadDest};
-use super::{Ep, OfiError, Posted};
+use super::{Ep, OfiError, Posted, RecvSlots};
 use crate::error::TransportError;
 use crate::fabric::sys;
 use crate::ids::Rank;
@@ -28,8 +29,6 @@ pub(in crate::fabric) type SendDone = oneshot::Sender<Result<(), TransportError>
 
 /// An operation owned by the table.
 pub(in crate::fabric) enum Op {
-    /// A posted receive buffer.
-    Recv(LocalBuf),
     /// A send of an encoded message to `peer` (if known) at `fi_addr`, with its waiting
     /// sender.
     Send { peer: Option<Rank>, fi_addr: u64, buf: LocalBuf, done: Option<SendDone> },
@@ -61,7 +60,6 @@ pub(in crate::fabric) struct Post(Kind);
 
 #[derive(Clone, Copy)]
 enum Kind {
-    Recv { buf: usize, len: usize, desc: usize, tag: u64 },
     Send { buf: usize, len: usize, desc: usize, dest: u64, tag: u64 },
     Read { buf: usize, len: usize, desc: usize, src: u64, addr: u64, key: u64 },
 }
@@ -72,9 +70,9 @@ struct Waiting {
     deadline: Instant,
 }
 
-/// Contexts kept for reuse: a small message takes one per receive it completes and one
-/// per send that waits for a completion, and a zeroed allocation and its free cost
-/// about a tenth of an 8-byte message's time over shm.
+/// Contexts kept for reuse: a small message takes one per send that waits for a
+/// completion, and a zeroed allocation and its free cost about a tenth of an 8-byte
+/// message's time over shm.
 const SPARE: usize = 64;
 
 /// The operations in flight, and contexts free for reuse.
@@ -87,9 +85,12 @@ struct Table {
     spare: Vec<Box<OpContext>>,
 }
 
-/// The table of operations in flight and the backlog; see the module docs.
+/// The table of operations in flight, the backlog, and the receive slots; see the
+/// module docs.
 #[derive(Default)]
 pub(in crate::fabric) struct Ops {
+    /// The posted receive buffers.
+    pub(in crate::fabric) recv: RecvSlots,
     table: Mutex<Table>,
     backlog: Mutex<VecDeque<Waiting>>,
     /// Whether the backlog may hold posts: set under its lock when one is queued,
@@ -105,6 +106,11 @@ pub(in crate::fabric) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Ops {
+    /// A table whose receives use `recv`.
+    pub(in crate::fabric) fn new(recv: RecvSlots) -> Self {
+        Self { recv, ..Self::default() }
+    }
+
     fn insert(&self, op: Op) -> usize {
         let mut table = lock(&self.table);
         // A reused context needs no clearing: the provider treats it as scratch space
@@ -113,13 +119,6 @@ impl Ops {
         let key = &raw const *ctx as usize;
         table.slots.insert(key, Slot { ctx, op });
         key
-    }
-
-    /// Adds a receive into `buf` of messages tagged `tag`; returns its context and post.
-    pub(in crate::fabric) fn add_recv(&self, buf: LocalBuf, tag: u64) -> (usize, Post) {
-        let (p, len, desc) = buf.raw();
-        let post = Post(Kind::Recv { buf: p as usize, len, desc: desc as usize, tag });
-        (self.insert(Op::Recv(buf)), post)
     }
 
     /// Adds a send of `buf` (an encoded message) with `tag` to `fi_addr`.
@@ -171,15 +170,6 @@ impl Ops {
     ) -> Result<(), (Option<Op>, OfiError)> {
         // The caller has just added the operation and not posted it: it is in the table
         // (only a completion, a failed post or a backlog purge takes it out).
-        // Receive buffers have no order to keep, so with nothing queued they skip the
-        // backlog's lock.
-        if matches!(post.0, Kind::Recv { .. }) && !self.queued.load(Ordering::Acquire) {
-            match self.post_unchecked(ep, ctx, post) {
-                Ok(Posted::Yes) => return Ok(()),
-                Ok(Posted::Again) => {}
-                Err(e) => return Err((self.take(ctx as *mut c_void), e)),
-            }
-        }
         let mut backlog = lock(&self.backlog);
         if backlog.is_empty() {
             match self.post_unchecked(ep, ctx, post) {
@@ -217,7 +207,6 @@ impl Ops {
         // one under the stale key). The table is freed only after the endpoint is closed.
         unsafe {
             match post {
-                Kind::Recv { buf, len, desc, tag } => ep.trecv(buf as *mut u8, len, desc as *mut c_void, tag, c),
                 Kind::Send { buf, len, desc, dest, tag } => {
                     ep.tsend(buf as *const u8, len, desc as *mut c_void, dest, tag, c)
                 }
@@ -278,12 +267,13 @@ impl Ops {
         out
     }
 
-    /// Closes every registration held by operations (teardown, before the endpoint is
-    /// closed); the memory stays until the table is dropped.
+    /// Closes every registration held by operations and receive slots (teardown, before
+    /// the endpoint is closed); the memory stays until the table is dropped.
     pub(in crate::fabric) fn drop_registrations(&self) {
+        self.recv.drop_registrations();
         for s in lock(&self.table).slots.values_mut() {
             match &mut s.op {
-                Op::Recv(buf) | Op::Send { buf, .. } => buf.unregister(),
+                Op::Send { buf, .. } => buf.unregister(),
                 Op::Read { dest, .. } => dest.unregister(),
             }
         }
