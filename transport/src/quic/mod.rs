@@ -70,8 +70,8 @@ const NAME: &str = "quic";
 /// without and 2.45-2.57 with 4 MiB (single runs). A stream may have 16 MiB in flight
 /// (`tls::STREAM_WINDOW`), and with 4 MiB buffers a stream of 200 × 4 MiB still lost
 /// about 1 % of its datagrams (12-23 congestion events per job); with 16 MiB, none in
-/// 8 jobs, at the same throughput (the receiver's CPU is the limit). The buffer only
-/// fills while the receiver lags behind.
+/// 4 jobs (nor with 32 MiB in 4), at the same throughput (the receiver's CPU is the
+/// limit). The buffer only fills while the receiver lags behind.
 const SOCKET_BUFFER: usize = 16 << 20;
 
 /// The connection to one peer, behind a lock held while it is being opened.
