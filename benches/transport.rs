@@ -197,11 +197,21 @@ fn fi_job(provider: &str, domain: &str, iters: u64, size: usize) -> Duration {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("start fi_pingpong server");
-    // The server needs a moment to listen on its control port; retry the client.
+    // The server needs a moment to listen on its control port; retry the client. A
+    // client that found no server exits without removing its shm region: remove it.
     let mut out = None;
     for _ in 0..50 {
         std::thread::sleep(Duration::from_millis(50));
-        let o = Command::new("fi_pingpong").args(&args).arg("127.0.0.1").output().expect("start fi_pingpong");
+        let client = Command::new("fi_pingpong")
+            .args(&args)
+            .arg("127.0.0.1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start fi_pingpong");
+        let client_pid = client.id();
+        let o = client.wait_with_output().expect("wait for fi_pingpong");
+        remove_shm_regions(client_pid);
         if o.status.success() {
             out = Some(o);
             break;
@@ -224,7 +234,8 @@ fn fi_job(provider: &str, domain: &str, iters: u64, size: usize) -> Duration {
 }
 
 /// Removes the shared-memory regions libfabric's shm provider made for process `pid`
-/// (`/dev/shm/<pid>:...`): a server that had to be killed cannot remove its own.
+/// (`/dev/shm/<pid>:...`): a server that had to be killed, or a client that gave up,
+/// leaves its own behind.
 fn remove_shm_regions(pid: u32) {
     let prefix = format!("{pid}:");
     let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
