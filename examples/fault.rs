@@ -1,7 +1,11 @@
 //! Failure handling demo: `fault exit R CODE` makes rank R exit with CODE while the
 //! others wait for a message from it; `fault hang` makes every rank wait for a message
 //! that never comes; `fault leave-crash CODE` reaches checkpoints until a shrink, where
-//! every released process exits with CODE instead of leaving cleanly. The launcher must
+//! every released process exits with CODE instead of leaving cleanly; `fault join-crash
+//! CODE` reaches checkpoints until a growth, where every new process exits with CODE as
+//! soon as it has joined; `fault join-exit FILE CODE` (one initial rank) does the same
+//! before it even starts joining: the first process creates FILE, later ones exit. The
+//! launcher must
 //! end the job either way (first failing rank's code, or Ctrl-C / `--timeout`), leaving
 //! no process behind.
 //!
@@ -11,7 +15,20 @@ use anyhow::{bail, Context};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("join-exit") {
+        return join_exit(&args[1..]);
+    }
     let mut session = ductile::init()?;
+    if args.first().map(String::as_str) == Some("join-crash") {
+        let code: i32 = args.get(1).context("fault join-crash CODE")?.parse()?;
+        if session.joined().is_some() {
+            std::process::exit(code);
+        }
+        for _ in 0..1000 {
+            session.checkpoint()?;
+        }
+        return Ok(session.finalize()?);
+    }
     if args.first().map(String::as_str) == Some("leave-crash") {
         let code: i32 = args.get(1).context("fault leave-crash CODE")?.parse()?;
         for _ in 0..1000 {
@@ -37,8 +54,27 @@ fn main() -> anyhow::Result<()> {
             println!("rank {r} waiting");
             world.recv::<u8>(None, Some(1))?;
         }
-        _ => bail!("usage: fault exit RANK CODE | fault hang | fault leave-crash CODE"),
+        _ => bail!(
+            "usage: fault exit RANK CODE | fault hang | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE"
+        ),
     }
     session.finalize()?;
     Ok(())
+}
+
+/// `join-exit FILE CODE`: the process that creates FILE (the job's one initial rank)
+/// reaches checkpoints until a growth has come and gone; every later process (a new one)
+/// exits with CODE before it joins.
+fn join_exit(args: &[String]) -> anyhow::Result<()> {
+    let file = args.first().context("fault join-exit FILE CODE")?;
+    let code: i32 = args.get(1).context("fault join-exit FILE CODE")?.parse()?;
+    if std::fs::OpenOptions::new().write(true).create_new(true).open(file).is_err() {
+        std::process::exit(code);
+    }
+    let mut session = ductile::init()?;
+    for _ in 0..1000 {
+        session.checkpoint()?;
+    }
+    let _ = std::fs::remove_file(file);
+    Ok(session.finalize()?)
 }

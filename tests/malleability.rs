@@ -297,6 +297,91 @@ fn a_process_crashing_during_a_shrink_fails_the_job_naming_it_and_leaves_nothing
 }
 
 #[test]
+fn a_process_crashing_as_it_joins_a_growth_fails_the_job_naming_it_and_leaves_nothing() {
+    // Three new node worlds start side by side (a spawner goes on once the previous
+    // agent has taken over, and the new agents spawn while their ranks start); each new
+    // process exits with code 5 as soon as it has joined.
+    let report = tmp("join-crash.json");
+    let start = Instant::now();
+    let out = run(&[
+        "run",
+        "-n",
+        "2",
+        "--nodes",
+        "1",
+        "--slots",
+        "2",
+        "--max-nodes",
+        "4",
+        "--policy",
+        "steps:4",
+        "--timeout",
+        "60",
+        "--report",
+        report.to_str().unwrap(),
+        "--",
+        &ex("fault"),
+        "join-crash",
+        "5",
+    ]);
+    assert_eq!(out.status.code(), Some(5), "{out:?}");
+    assert!(start.elapsed() < Duration::from_secs(30));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("exited with code 5; ending the job"), "{err}");
+    let doc = read_report(&report);
+    assert_eq!(doc["nodes"].as_array().map(Vec::len), Some(4), "every new node world is in the report: {doc}");
+    assert_no_survivors(&report);
+    let _ = std::fs::remove_file(report);
+}
+
+#[test]
+fn a_process_failing_before_it_joins_a_growth_fails_the_job_and_leaves_nothing() {
+    // The new node worlds' processes exit before they join. Their agents have already
+    // started the next ones: those must still come up and be ended with the job, not
+    // lose their spawner halfway.
+    let report = tmp("join-exit.json");
+    let marker = tmp("join-exit.marker");
+    let _ = std::fs::remove_file(&marker);
+    let start = Instant::now();
+    let out = run(&[
+        "run",
+        "-n",
+        "1",
+        "--nodes",
+        "1",
+        "--max-nodes",
+        "4",
+        "--policy",
+        "steps:4",
+        "--timeout",
+        "60",
+        "--report",
+        report.to_str().unwrap(),
+        "--",
+        &ex("fault"),
+        "join-exit",
+        marker.to_str().unwrap(),
+        "6",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(start.elapsed() < Duration::from_secs(30));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("failed") && err.contains("ending the job"), "{err}");
+    assert!(!err.contains("not by this process's agent"), "an agent lost its spawner while starting: {err}");
+    assert_no_survivors(&report);
+    let marker_text = marker.to_string_lossy().into_owned();
+    let named: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(&marker_text))
+        .collect();
+    assert!(named.is_empty(), "processes of the job still running: {named:?}");
+    let _ = std::fs::remove_file(report);
+    let _ = std::fs::remove_file(marker);
+}
+
+#[test]
 fn an_application_finishing_during_a_background_growth_ends_the_job_cleanly() {
     // One checkpoint (iteration 25 of 30): the growth it starts is still pending when
     // the solver finishes, since no later checkpoint could switch to it.

@@ -6,10 +6,15 @@
 //! An agent of the initial layout is started by the controller and talks to it over its
 //! fd-3 channel. An agent started by a resize is started by another agent (its spawner)
 //! and gets its handoff over that channel; it connects to the controller's socket (with
-//! the token from its handoff) for the rest of its life, reports `Ready` to its spawner
-//! once its ranks are bound (the spawner's slot is then free for its next order), starts
-//! its own orders, and reports its whole subtree (`Grown`) to its spawner, so the new
-//! membership is gathered along the spawn tree.
+//! the token from its handoff) for the rest of its life and reports `Started` to its
+//! spawner, whose slot is then free for its next order. It then starts its own orders
+//! and its ranks side by side, reports `Ready` once its ranks are bound, and reports its
+//! whole subtree (`Grown`) to its spawner, so the new membership is gathered along the
+//! spawn tree.
+//!
+//! A spawn step thus costs the start of an agent, not the start-up of its ranks: that
+//! can take long (loading Debian's libfabric takes 0.25 s, see docs/BENCHMARKS.md), and
+//! waiting for it before each step paid it once per step of the tree.
 
 use crate::output::{forward, Stream};
 use crate::proto::AGENT_VERSION;
@@ -99,11 +104,28 @@ pub async fn run() -> anyhow::Result<()> {
             }
         },
     };
+    let (grown_tx, mut grown_rx) = mpsc::unbounded_channel();
+    let mut growing = 0;
+    if let Some(j) = &h.joining {
+        if let Some(w) = spawner.as_mut() {
+            nonblocking::write_msg(w, &FromAgent::Started).await?;
+        }
+        // This node's own orders go out now, while its ranks start.
+        start_growth(&h, j.spawns.clone(), Dest::Spawner, &grown_tx);
+        growing += 1;
+    }
     let report = spawner.as_mut().unwrap_or(&mut up_tx);
+    // A node world that fails still waits (bounded) for the agents it started to come
+    // up: an agent whose spawner is gone before it took over cannot check its channel.
+    // The job fails, and the controller ends them.
+    let settle = Duration::from_millis(h.join_timeout_ms.max(1));
     let mut world = match start_ranks(&h).await {
         Ok(w) => w,
         Err(e) => {
             nonblocking::write_msg(report, &FromAgent::Failed(format!("{}: {e:#}", h.node))).await?;
+            if growing > 0 {
+                let _ = tokio::time::timeout(settle, grown_rx.recv()).await;
+            }
             return Ok(());
         }
     };
@@ -112,17 +134,14 @@ pub async fn run() -> anyhow::Result<()> {
         Err(e) => {
             end_ranks(&mut world).await;
             let _ = nonblocking::write_msg(report, &FromAgent::Failed(format!("{}: {e:#}", h.node))).await;
+            if growing > 0 {
+                let _ = tokio::time::timeout(settle, grown_rx.recv()).await;
+            }
             return Ok(());
         }
     };
     nonblocking::write_msg(report, &FromAgent::Ready(started.clone())).await?;
     let own = NodeStarted { node: h.node, agent_pid: std::process::id(), ranks: started };
-    let (grown_tx, grown_rx) = mpsc::unbounded_channel();
-    let mut growing = 0;
-    if let Some(j) = &h.joining {
-        start_growth(&h, j.spawns.clone(), Dest::Spawner, &grown_tx);
-        growing += 1;
-    }
     let mut sup = Supervisor { h, up_tx, spawner, own, grown_tx, growing };
     sup.supervise(&mut world, reader(up_rx), grown_rx).await
 }
@@ -389,15 +408,24 @@ async fn grow(h: &AgentHandoff, orders: Vec<SpawnOrder>) -> Result<Vec<NodeStart
     Ok(all.into_iter().flatten().collect())
 }
 
-/// One spawner's orders: each new world is started once the previous one is up; their
-/// subtree reports are awaited together at the end.
+/// One spawner's orders: each new world is started once the previous one's agent has
+/// taken over; their readiness and subtree reports are awaited together at the end.
 async fn run_sequence(h: &AgentHandoff, seq: Vec<SpawnOrder>) -> Result<Vec<NodeStarted>, String> {
     let mut subtrees = Vec::with_capacity(seq.len());
     for o in seq {
         subtrees.push(start_child(h, o).await?);
     }
+    let join = Duration::from_millis(h.join_timeout_ms.max(1));
     let wait = Duration::from_millis(h.timeout_ms.max(1));
     let reports = subtrees.into_iter().map(|(node, mut rx)| async move {
+        let fail = |e: String| format!("{node}: {e}");
+        match tokio::time::timeout(join, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
+            Ok(Ok(FromAgent::Ready(_))) => tracing::debug!("{}: {node} is up", h.node),
+            Ok(Ok(FromAgent::Failed(e))) => return Err(e),
+            Ok(Ok(other)) => return Err(fail(format!("unexpected {other:?} from its agent"))),
+            Ok(Err(e)) => return Err(fail(format!("its agent is gone ({e})"))),
+            Err(_) => return Err(fail(format!("its ranks were not bound within {join:?}"))),
+        }
         tracing::debug!("waiting for the subtree of {node}");
         match tokio::time::timeout(wait, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
             Ok(Ok(FromAgent::Grown(nodes))) => Ok(nodes),
@@ -411,7 +439,8 @@ async fn run_sequence(h: &AgentHandoff, seq: Vec<SpawnOrder>) -> Result<Vec<Node
     Ok(all.into_iter().flatten().collect())
 }
 
-/// Starts one node world and waits until its ranks are bound.
+/// Starts one node world's agent and waits until it has taken over (its ranks start
+/// next).
 async fn start_child(h: &AgentHandoff, o: SpawnOrder) -> Result<(ductile_transport::NodeId, OwnedReadHalf), String> {
     let node = o.node;
     let fail = |e: String| format!("{node}: {e}");
@@ -432,14 +461,14 @@ async fn start_child(h: &AgentHandoff, o: SpawnOrder) -> Result<(ductile_transpo
     nonblocking::write_msg(&mut tx, &ToAgent::Handoff(handoff)).await.map_err(|e| fail(e.to_string()))?;
     let t = Duration::from_millis(h.join_timeout_ms.max(1));
     match tokio::time::timeout(t, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
-        Ok(Ok(FromAgent::Ready(_))) => {
-            tracing::debug!("{}: {node} is up", h.node);
+        Ok(Ok(FromAgent::Started)) => {
+            tracing::debug!("{}: {node} has started", h.node);
             Ok((node, rx))
         }
         Ok(Ok(FromAgent::Failed(e))) => Err(e),
         Ok(Ok(other)) => Err(fail(format!("unexpected {other:?} from its agent"))),
         Ok(Err(e)) => Err(fail(format!("its agent is gone ({e})"))),
-        Err(_) => Err(fail(format!("its node world did not come up within {t:?}"))),
+        Err(_) => Err(fail(format!("its agent did not take over within {t:?}"))),
     }
 }
 

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// Version of the agent handoff.
-pub const AGENT_VERSION: u32 = 4;
+pub const AGENT_VERSION: u32 = 5;
 
 /// Everything an agent needs to start its node world.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -183,6 +183,9 @@ pub struct NodeStarted {
 /// Agent → controller (and a started agent → the agent that started it).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum FromAgent {
+    /// A started agent has taken over its node world (it reached the controller); its
+    /// ranks and its own spawn orders start next. Sent to its spawner only.
+    Started,
     /// Every rank of the node is started and bound.
     Ready(Vec<RankStarted>),
     /// The node worlds of a subtree of a growth are up.

@@ -443,6 +443,8 @@ impl Ctl {
 
     async fn on_agent(&mut self, a: usize, m: FromAgent) {
         match m {
+            // Only a spawner is told that its new agent has taken over.
+            FromAgent::Started => tracing::warn!("{}: an unexpected Started from its agent", self.agents[a].node),
             FromAgent::Ready(ranks) => {
                 let ag = &mut self.agents[a];
                 ag.live = ranks.iter().map(|r| r.id).collect();
