@@ -4,7 +4,9 @@
 //! every released process exits with CODE instead of leaving cleanly; `fault join-crash
 //! CODE` reaches checkpoints until a growth, where every new process exits with CODE as
 //! soon as it has joined; `fault join-exit FILE CODE` (one initial rank) does the same
-//! before it even starts joining: the first process creates FILE, later ones exit. The
+//! before it even starts joining: the first process creates FILE, later ones exit;
+//! `fault join-slow FILE MS` (one initial rank) makes every new process take MS
+//! milliseconds to start before it joins, and the job ends after the growth. The
 //! launcher must
 //! end the job either way (first failing rank's code, or Ctrl-C / `--timeout`), leaving
 //! no process behind.
@@ -15,8 +17,10 @@ use anyhow::{bail, Context};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some("join-exit") {
-        return join_exit(&args[1..]);
+    match args.first().map(String::as_str) {
+        Some("join-exit") => return join_exit(&args[1..]),
+        Some("join-slow") => return join_slow(&args[1..]),
+        _ => {}
     }
     let mut session = ductile::init()?;
     if args.first().map(String::as_str) == Some("join-crash") {
@@ -55,7 +59,7 @@ fn main() -> anyhow::Result<()> {
             world.recv::<u8>(None, Some(1))?;
         }
         _ => bail!(
-            "usage: fault exit RANK CODE | fault hang | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE"
+            "usage: fault exit RANK CODE | fault hang | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE | fault join-slow FILE MS"
         ),
     }
     session.finalize()?;
@@ -76,5 +80,23 @@ fn join_exit(args: &[String]) -> anyhow::Result<()> {
         session.checkpoint()?;
     }
     let _ = std::fs::remove_file(file);
+    Ok(session.finalize()?)
+}
+
+/// `join-slow FILE MS`: the process that creates FILE (the job's one initial rank)
+/// reaches checkpoints until a growth; every later process (a new one) sleeps MS
+/// milliseconds before it joins. Everyone finalizes after the growth.
+fn join_slow(args: &[String]) -> anyhow::Result<()> {
+    let file = args.first().context("fault join-slow FILE MS")?;
+    let ms: u64 = args.get(1).context("fault join-slow FILE MS")?.parse()?;
+    let first = std::fs::OpenOptions::new().write(true).create_new(true).open(file).is_ok();
+    if !first {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+    let mut session = ductile::init()?;
+    if first {
+        while !matches!(session.checkpoint()?, ductile::Checkpoint::Resized(_)) {}
+        let _ = std::fs::remove_file(file);
+    }
     Ok(session.finalize()?)
 }

@@ -298,19 +298,16 @@ fn a_process_crashing_during_a_shrink_fails_the_job_naming_it_and_leaves_nothing
 
 #[test]
 fn a_process_crashing_as_it_joins_a_growth_fails_the_job_naming_it_and_leaves_nothing() {
-    // Three new node worlds start side by side (a spawner goes on once the previous
-    // agent has taken over, and the new agents spawn while their ranks start); each new
-    // process exits with code 5 as soon as it has joined.
+    // 1 -> 4 nodes in two steps (node 1 spawns node 3); each new process exits with
+    // code 5 as soon as it has joined.
     let report = tmp("join-crash.json");
     let start = Instant::now();
     let out = run(&[
         "run",
         "-n",
-        "2",
+        "1",
         "--nodes",
         "1",
-        "--slots",
-        "2",
         "--max-nodes",
         "4",
         "--policy",
@@ -332,6 +329,43 @@ fn a_process_crashing_as_it_joins_a_growth_fails_the_job_naming_it_and_leaves_no
     assert_eq!(doc["nodes"].as_array().map(Vec::len), Some(4), "every new node world is in the report: {doc}");
     assert_no_survivors(&report);
     let _ = std::fs::remove_file(report);
+}
+
+#[test]
+fn a_growth_pays_the_start_up_of_new_processes_once_not_once_per_step() {
+    // 1 -> 4 nodes in two steps; every new process takes 600 ms to start. A spawner goes
+    // on once its new agent has taken over, and a new agent spawns while its ranks
+    // start, so the steps overlap the start-ups: about 600 ms, where waiting for each
+    // step's ranks took 1215 ms.
+    let report = tmp("join-slow.json");
+    let marker = tmp("join-slow.marker");
+    let _ = std::fs::remove_file(&marker);
+    let out = run(&[
+        "run",
+        "-n",
+        "1",
+        "--nodes",
+        "1",
+        "--max-nodes",
+        "4",
+        "--policy",
+        "steps:4",
+        "--timeout",
+        "60",
+        "--report",
+        report.to_str().unwrap(),
+        "--",
+        &ex("fault"),
+        "join-slow",
+        marker.to_str().unwrap(),
+        "600",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let doc = read_report(&report);
+    let spawn = doc["reconfigurations"][0]["phases_ms"]["spawn"].as_f64().expect("a growth in the report");
+    assert!((600.0..1000.0).contains(&spawn), "spawn phase {spawn} ms: {doc}");
+    let _ = std::fs::remove_file(report);
+    let _ = std::fs::remove_file(marker);
 }
 
 #[test]

@@ -115,17 +115,11 @@ pub async fn run() -> anyhow::Result<()> {
         growing += 1;
     }
     let report = spawner.as_mut().unwrap_or(&mut up_tx);
-    // A node world that fails still waits (bounded) for the agents it started to come
-    // up: an agent whose spawner is gone before it took over cannot check its channel.
-    // The job fails, and the controller ends them.
-    let settle = Duration::from_millis(h.join_timeout_ms.max(1));
     let mut world = match start_ranks(&h).await {
         Ok(w) => w,
         Err(e) => {
-            nonblocking::write_msg(report, &FromAgent::Failed(format!("{}: {e:#}", h.node))).await?;
-            if growing > 0 {
-                let _ = tokio::time::timeout(settle, grown_rx.recv()).await;
-            }
+            let _ = nonblocking::write_msg(report, &FromAgent::Failed(format!("{}: {e:#}", h.node))).await;
+            settle(&h, growing, &mut grown_rx).await;
             return Ok(());
         }
     };
@@ -134,16 +128,29 @@ pub async fn run() -> anyhow::Result<()> {
         Err(e) => {
             end_ranks(&mut world).await;
             let _ = nonblocking::write_msg(report, &FromAgent::Failed(format!("{}: {e:#}", h.node))).await;
-            if growing > 0 {
-                let _ = tokio::time::timeout(settle, grown_rx.recv()).await;
-            }
+            settle(&h, growing, &mut grown_rx).await;
             return Ok(());
         }
     };
-    nonblocking::write_msg(report, &FromAgent::Ready(started.clone())).await?;
+    if let Err(e) = nonblocking::write_msg(report, &FromAgent::Ready(started.clone())).await {
+        // The spawner is gone: the growth has failed.
+        end_ranks(&mut world).await;
+        settle(&h, growing, &mut grown_rx).await;
+        return Err(e.into());
+    }
     let own = NodeStarted { node: h.node, agent_pid: std::process::id(), ranks: started };
     let mut sup = Supervisor { h, up_tx, spawner, own, grown_tx, growing };
     sup.supervise(&mut world, reader(up_rx), grown_rx).await
+}
+
+/// A joining node world that cannot go on waits (at most the join timeout) for the growth
+/// it started to report, as [`Supervisor`] does: the agents it started check that their
+/// parent made their control channel, so it must not be gone before they took over.
+/// The growth then fails, which ends the job and with it those agents.
+async fn settle(h: &AgentHandoff, growing: usize, grown_rx: &mut mpsc::UnboundedReceiver<Grown>) {
+    if growing > 0 {
+        let _ = tokio::time::timeout(Duration::from_millis(h.join_timeout_ms.max(1)), grown_rx.recv()).await;
+    }
 }
 
 /// Connects a joining agent to the controller's socket and says who it is.
@@ -160,53 +167,74 @@ async fn start_ranks(h: &AgentHandoff) -> anyhow::Result<NodeWorld> {
     let (exit_tx, exits) = mpsc::unbounded_channel();
     let mut out = NodeWorld { procs: HashMap::new(), readers: Vec::new(), forwarders: Vec::new(), exits };
     for &id in &h.ids {
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
-        let spawned = spawn_with_channel(h.program.as_ref(), &h.args, &theirs, false, Output::Piped, true);
-        let mut child = match spawned {
-            Ok(c) => c,
-            Err(e) => {
-                end_ranks(&mut out).await;
-                bail!("cannot start {} for {id}: {e}", h.program);
-            }
-        };
-        drop(theirs);
-        let pid = child.id().unwrap_or(0);
-        let prefix = h.tag_output.then(|| format!("[{}] ", id.0));
-        if let Some(o) = child.stdout.take() {
-            out.forwarders.push(tokio::spawn(forward(o, prefix.clone(), Stream::Stdout)));
+        if let Err(e) = start_rank(h, id, &mut out, &exit_tx).await {
+            end_ranks(&mut out).await;
+            return Err(e);
         }
-        if let Some(e) = child.stderr.take() {
-            out.forwarders.push(tokio::spawn(forward(e, prefix, Stream::Stderr)));
-        }
-        let tx = exit_tx.clone();
-        tokio::spawn(async move {
-            let exit = match child.wait().await {
-                Ok(s) => Exit::from_status(s),
-                Err(_) => Exit::Code(1),
-            };
-            let _ = tx.send((id, exit));
-        });
-        ours.set_nonblocking(true)?;
-        let (r, mut w) = UnixStream::from_std(ours)?.into_split();
-        let handoff = RankHandoff {
-            version: HANDOFF_VERSION,
-            job: h.job,
-            key: h.key.clone(),
-            id,
-            node: h.node,
-            transport: h.transport.clone(),
-            timeout_ms: h.timeout_ms,
-            joining: h.joining.is_some(),
-            redistribution: h.redistribution,
-            background: h.background,
-        };
-        // A rank that is not a ductile program never reads this; the write still
-        // succeeds into the socket buffer, and the wait for readiness reports it.
-        nonblocking::write_msg(&mut w, &ToRank::Handoff(handoff)).await?;
-        out.procs.insert(id, Proc { pid, tx: w });
-        out.readers.push((id, r));
     }
     Ok(out)
+}
+
+/// Starts rank `id` of the node world `out` and hands it its settings.
+async fn start_rank(
+    h: &AgentHandoff,
+    id: Rank,
+    out: &mut NodeWorld,
+    exit_tx: &mpsc::UnboundedSender<(Rank, Exit)>,
+) -> anyhow::Result<()> {
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
+    let spawned = spawn_with_channel(h.program.as_ref(), &h.args, &theirs, false, Output::Piped, true);
+    let mut child = match spawned {
+        Ok(c) => c,
+        Err(e) => bail!("cannot start {} for {id}: {e}", h.program),
+    };
+    drop(theirs);
+    let pid = child.id().unwrap_or(0);
+    let prefix = h.tag_output.then(|| format!("[{}] ", id.0));
+    if let Some(o) = child.stdout.take() {
+        out.forwarders.push(tokio::spawn(forward(o, prefix.clone(), Stream::Stdout)));
+    }
+    if let Some(e) = child.stderr.take() {
+        out.forwarders.push(tokio::spawn(forward(e, prefix, Stream::Stderr)));
+    }
+    let tx = exit_tx.clone();
+    tokio::spawn(async move {
+        let exit = match child.wait().await {
+            Ok(s) => Exit::from_status(s),
+            Err(_) => Exit::Code(1),
+        };
+        let _ = tx.send((id, exit));
+    });
+    let channel = ours.set_nonblocking(true).and_then(|()| UnixStream::from_std(ours));
+    let (r, mut w) = match channel {
+        Ok(s) => s.into_split(),
+        Err(e) => {
+            // Started, and never to be told what to do: it must not wait for that.
+            signal_pid(pid, libc::SIGKILL);
+            bail!("the control channel of {id}: {e}");
+        }
+    };
+    let handoff = RankHandoff {
+        version: HANDOFF_VERSION,
+        job: h.job,
+        key: h.key.clone(),
+        id,
+        node: h.node,
+        transport: h.transport.clone(),
+        timeout_ms: h.timeout_ms,
+        joining: h.joining.is_some(),
+        redistribution: h.redistribution,
+        background: h.background,
+    };
+    // A rank that is not a ductile program never reads this; the write still succeeds
+    // into the socket buffer. A rank that has already exited makes it fail. Either way
+    // the wait for readiness reports what happened to the rank.
+    if let Err(e) = nonblocking::write_msg(&mut w, &ToRank::Handoff(handoff)).await {
+        tracing::debug!("{}: handing {id} its settings failed: {e}", h.node);
+    }
+    out.procs.insert(id, Proc { pid, tx: w });
+    out.readers.push((id, r));
+    Ok(())
 }
 
 /// Waits for every rank's address (reporting exits on the way).
@@ -419,12 +447,20 @@ async fn run_sequence(h: &AgentHandoff, seq: Vec<SpawnOrder>) -> Result<Vec<Node
     let wait = Duration::from_millis(h.timeout_ms.max(1));
     let reports = subtrees.into_iter().map(|(node, mut rx)| async move {
         let fail = |e: String| format!("{node}: {e}");
-        match tokio::time::timeout(join, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
-            Ok(Ok(FromAgent::Ready(_))) => tracing::debug!("{}: {node} is up", h.node),
-            Ok(Ok(FromAgent::Failed(e))) => return Err(e),
-            Ok(Ok(other)) => return Err(fail(format!("unexpected {other:?} from its agent"))),
-            Ok(Err(e)) => return Err(fail(format!("its agent is gone ({e})"))),
-            Err(_) => return Err(fail(format!("its ranks were not bound within {join:?}"))),
+        let deadline = tokio::time::Instant::now() + join;
+        loop {
+            match tokio::time::timeout_at(deadline, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
+                Ok(Ok(FromAgent::Ready(_))) => {
+                    tracing::debug!("{}: {node} is up", h.node);
+                    break;
+                }
+                Ok(Ok(FromAgent::Failed(e))) => return Err(e),
+                // A rank that exits before joining is reported first; the reason follows.
+                Ok(Ok(FromAgent::RankExited { .. })) => {}
+                Ok(Ok(other)) => return Err(fail(format!("unexpected {other:?} from its agent"))),
+                Ok(Err(e)) => return Err(fail(format!("its agent is gone ({e})"))),
+                Err(_) => return Err(fail(format!("its ranks were not bound within {join:?}"))),
+            }
         }
         tracing::debug!("waiting for the subtree of {node}");
         match tokio::time::timeout(wait, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
