@@ -296,31 +296,25 @@ fn a_process_crashing_during_a_shrink_fails_the_job_naming_it_and_leaves_nothing
     let _ = std::fs::remove_file(report);
 }
 
+/// `ductile run` of the fault example with `args`, grown from 1 to 4 nodes of 1 slot at
+/// its first checkpoint (two steps: node 1 spawns node 3), reporting to `report`.
+fn fault_growth_1_to_4(report: &std::path::Path, args: &[&str]) -> std::process::Output {
+    let report = report.to_str().unwrap();
+    let mut all = vec!["run", "-n", "1", "--nodes", "1", "--max-nodes", "4", "--policy", "steps:4"];
+    all.extend(["--timeout", "60", "--report", report, "--"]);
+    let fault = ex("fault");
+    all.push(&fault);
+    all.extend(args);
+    run(&all)
+}
+
 #[test]
 fn a_process_crashing_as_it_joins_a_growth_fails_the_job_naming_it_and_leaves_nothing() {
     // 1 -> 4 nodes in two steps (node 1 spawns node 3); each new process exits with
     // code 5 as soon as it has joined.
     let report = tmp("join-crash.json");
     let start = Instant::now();
-    let out = run(&[
-        "run",
-        "-n",
-        "1",
-        "--nodes",
-        "1",
-        "--max-nodes",
-        "4",
-        "--policy",
-        "steps:4",
-        "--timeout",
-        "60",
-        "--report",
-        report.to_str().unwrap(),
-        "--",
-        &ex("fault"),
-        "join-crash",
-        "5",
-    ]);
+    let out = fault_growth_1_to_4(&report, &["join-crash", "5"]);
     assert_eq!(out.status.code(), Some(5), "{out:?}");
     assert!(start.elapsed() < Duration::from_secs(30));
     let err = String::from_utf8_lossy(&out.stderr);
@@ -340,26 +334,7 @@ fn a_growth_pays_the_start_up_of_new_processes_once_not_once_per_step() {
     let report = tmp("join-slow.json");
     let marker = tmp("join-slow.marker");
     let _ = std::fs::remove_file(&marker);
-    let out = run(&[
-        "run",
-        "-n",
-        "1",
-        "--nodes",
-        "1",
-        "--max-nodes",
-        "4",
-        "--policy",
-        "steps:4",
-        "--timeout",
-        "60",
-        "--report",
-        report.to_str().unwrap(),
-        "--",
-        &ex("fault"),
-        "join-slow",
-        marker.to_str().unwrap(),
-        "600",
-    ]);
+    let out = fault_growth_1_to_4(&report, &["join-slow", marker.to_str().unwrap(), "600"]);
     assert!(out.status.success(), "{out:?}");
     let doc = read_report(&report);
     let spawn = doc["reconfigurations"][0]["phases_ms"]["spawn"].as_f64().expect("a growth in the report");
@@ -377,26 +352,7 @@ fn a_process_failing_before_it_joins_a_growth_fails_the_job_and_leaves_nothing()
     let marker = tmp("join-exit.marker");
     let _ = std::fs::remove_file(&marker);
     let start = Instant::now();
-    let out = run(&[
-        "run",
-        "-n",
-        "1",
-        "--nodes",
-        "1",
-        "--max-nodes",
-        "4",
-        "--policy",
-        "steps:4",
-        "--timeout",
-        "60",
-        "--report",
-        report.to_str().unwrap(),
-        "--",
-        &ex("fault"),
-        "join-exit",
-        marker.to_str().unwrap(),
-        "6",
-    ]);
+    let out = fault_growth_1_to_4(&report, &["join-exit", marker.to_str().unwrap(), "6"]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     assert!(start.elapsed() < Duration::from_secs(30));
     let err = String::from_utf8_lossy(&out.stderr);
