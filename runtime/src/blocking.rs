@@ -9,6 +9,7 @@
 //! at once, which costs several microseconds per message; that is why this small
 //! executor exists.
 
+use ductile_transport::{Endpoint, Envelope, Pattern, TransportError};
 use std::future::Future;
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -54,25 +55,100 @@ pub(crate) fn block_on<F: Future>(
     fut: F,
 ) -> Option<F::Output> {
     let _enter = handle.enter();
-    let flag =
-        FLAG.take().unwrap_or_else(|| Arc::new(Flag { woken: AtomicBool::new(false), thread: thread::current() }));
+    let flag = take_flag();
     let waker = Waker::from(flag.clone());
     let mut cx = Context::from_waker(&waker);
     let mut fut = pin!(fut);
-    let mut deadline = None;
+    let mut deadline = Deadline::new(timeout);
     let out = loop {
         if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
             break Some(v);
         }
-        // Most calls (a send that leaves at once, a message already there) never wait
-        // and never read the clock.
-        let deadline = *deadline.get_or_insert_with(|| far_or(Instant::now(), timeout));
-        if !wait(&flag, spin, deadline, progress) {
+        if !wait(&flag, spin, &mut deadline, progress, || false) {
             break None;
         }
     };
     FLAG.set(Some(flag));
     out
+}
+
+/// This thread's wake flag (see [`FLAG`]); give it back with `FLAG.set`.
+fn take_flag() -> Arc<Flag> {
+    FLAG.take().unwrap_or_else(|| Arc::new(Flag { woken: AtomicBool::new(false), thread: thread::current() }))
+}
+
+/// Receives the oldest message `pattern` matches on `ep`, waiting on this thread as
+/// [`block_on`] does, but without a future or an executor: the receive is posted with
+/// [`Mailbox::post_here`](ductile_transport::Mailbox::post_here), so the message this
+/// thread's own polling delivers is handed over without a wake and without a second
+/// pass through the mailbox's lock. A blocking receive's whole path from the arrival
+/// of its message to its return is then the transport's work and the matching; the
+/// future, its waker and the runtime context cost about a third as much again.
+/// Returns `None` if `timeout` passes first (the receive is withdrawn, losing nothing).
+pub(crate) fn recv_here(
+    ep: &Endpoint,
+    pattern: Pattern,
+    spin: Duration,
+    timeout: Duration,
+) -> Option<Result<Envelope, TransportError>> {
+    let flag = take_flag();
+    let waker = Waker::from(flag.clone());
+    let out = match ep.mailbox().post_here(pattern, &waker) {
+        Err(e) => Some(Err(e)),
+        Ok(Ok(env)) => Some(Ok(env)),
+        Ok(Err(mut here)) => ep.blocking_call(|| {
+            let mut cx = Context::from_waker(&waker);
+            let mut deadline = Deadline::new(timeout);
+            loop {
+                // Nothing to look at before the first wait: a message that came
+                // meanwhile on another thread has set the flag.
+                let waited = wait(&flag, spin, &mut deadline, ep, || here.arrived());
+                if let Poll::Ready(r) = here.poll(&mut cx) {
+                    break Some(r);
+                }
+                // The answer may have come just as the deadline passed: it was taken
+                // above rather than put back.
+                if !waited {
+                    break None;
+                }
+            }
+        }),
+    };
+    FLAG.set(Some(flag));
+    out
+}
+
+/// When a blocking call stops waiting. The clock is read every eighth round of waiting
+/// (a poll while spinning, or a wake-up that was not yet the answer), from the eighth
+/// on: most calls (a send that leaves at once, a message already there or just
+/// arriving) never read it, and a reply's first poll for the next message comes sooner.
+struct Deadline {
+    timeout: Duration,
+    at: Option<Instant>,
+    rounds: u32,
+}
+
+impl Deadline {
+    fn new(timeout: Duration) -> Self {
+        Self { timeout, at: None, rounds: 0 }
+    }
+
+    /// Counts a round of waiting; every eighth returns the time, to check the spin and
+    /// the deadline against.
+    fn round(&mut self) -> Option<Instant> {
+        self.rounds = self.rounds.wrapping_add(1);
+        self.rounds.is_multiple_of(8).then(Instant::now)
+    }
+
+    /// The deadline; the first call sets it from `now`.
+    fn at(&mut self, now: Instant) -> Instant {
+        *self.at.get_or_insert_with(|| far_or(now, self.timeout))
+    }
+
+    /// Whether the deadline has passed at `now`.
+    fn passed(&mut self, now: Instant) -> bool {
+        now >= self.at(now)
+    }
 }
 
 /// `now + timeout`, or a century away for a timeout too large to add (a huge
@@ -111,48 +187,74 @@ impl Progress for ductile_transport::Endpoint {
     }
 }
 
-/// Waits for a wake-up; false if the deadline passed first.
-fn wait(flag: &Flag, spin: Duration, deadline: Instant, progress: &impl Progress) -> bool {
+/// Waits for a wake-up, or for `arrived` (a message this thread's polling handed over);
+/// false if the deadline passed first.
+fn wait(
+    flag: &Flag,
+    spin: Duration,
+    deadline: &mut Deadline,
+    progress: &impl Progress,
+    arrived: impl Fn() -> bool,
+) -> bool {
+    // A waker that fires again and again without the answer still lets the call time
+    // out.
+    if deadline.round().is_some_and(|now| deadline.passed(now)) {
+        return false;
+    }
     // Even without a spin the thread tells the transport it is about to sleep, so that
     // data its own polling was to move (a send's unwritten rest) goes to the backend's
     // progress tasks. (Parking without saying so left such a send unwritten until the
     // timeout.)
     progress.begin();
-    let woken = spin > Duration::ZERO && spin_wait(flag, spin, progress);
+    let woken = spin > Duration::ZERO && spin_wait(flag, spin, deadline, progress, &arrived);
     progress.end(!woken);
-    if woken || flag.woken.swap(false, Ordering::Acquire) {
+    // Ending may poll once more (tcp reads what arrived meanwhile).
+    if woken || arrived() || flag.woken.swap(false, Ordering::Acquire) {
         return true;
     }
     while !flag.woken.swap(false, Ordering::Acquire) {
         let now = Instant::now();
-        if now >= deadline {
+        let at = deadline.at(now);
+        if now >= at {
             return false;
         }
-        thread::park_timeout(deadline - now);
+        thread::park_timeout(at - now);
     }
     true
 }
 
-/// Spins until `spin` passes without data arriving, polling; true if woken.
-fn spin_wait(flag: &Flag, spin: Duration, progress: &impl Progress) -> bool {
-    let mut start = Instant::now();
+/// Spins until `spin` passes without data arriving, polling; true if woken or `arrived`,
+/// false once the spin or the deadline has passed (checked at the rounds where
+/// [`Deadline::round`] reads the clock; the first spin of a call thus runs a few polls
+/// longer than `spin`).
+fn spin_wait(
+    flag: &Flag,
+    spin: Duration,
+    deadline: &mut Deadline,
+    progress: &impl Progress,
+    arrived: &impl Fn() -> bool,
+) -> bool {
+    let mut start = None;
     let mut rounds = 0u32;
     loop {
-        if flag.woken.swap(false, Ordering::Acquire) {
+        if flag.woken.swap(false, Ordering::Acquire) || arrived() {
             return true;
         }
-        if rounds.is_multiple_of(8) && start.elapsed() >= spin {
-            return false;
+        if let Some(now) = deadline.round() {
+            // Data flowing for other receivers restarts the spin, not the deadline.
+            if now.duration_since(*start.get_or_insert(now)) >= spin || deadline.passed(now) {
+                return false;
+            }
         }
         if progress.poll() {
             // What the poll delivered may be what this thread waits for: look before
             // reading the clock and pausing, which would only delay the answer.
-            if flag.woken.swap(false, Ordering::Acquire) {
+            if arrived() || flag.woken.swap(false, Ordering::Acquire) {
                 return true;
             }
-            start = Instant::now();
+            start = None;
         }
-        rounds += 1;
+        rounds = rounds.wrapping_add(1);
         if rounds.is_multiple_of(16) {
             thread::yield_now();
         } else {
@@ -194,5 +296,33 @@ mod tests {
         });
         assert_eq!(block_on(rt.handle(), Duration::ZERO, Duration::MAX, &(), rx).unwrap().unwrap(), 1);
         assert!(far_or(Instant::now(), Duration::MAX) > Instant::now() + Duration::from_secs(1 << 30));
+    }
+
+    /// A transport whose every poll moves data (for other receivers).
+    struct Busy;
+    impl Progress for Busy {
+        fn poll(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn waits_time_out_while_data_flows_for_others_or_wakes_repeat() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let soon = Duration::from_millis(30);
+            // Every poll restarts the spin window; the deadline still ends the wait.
+            let flowing = block_on(rt.handle(), Duration::from_millis(5), soon, &Busy, std::future::pending::<()>());
+            // A future that wakes itself and is never ready.
+            let woken = std::future::poll_fn(|cx| {
+                cx.waker().wake_by_ref();
+                Poll::<()>::Pending
+            });
+            let repeating = block_on(rt.handle(), Duration::from_micros(50), soon, &(), woken);
+            let _ = tx.send((flowing, repeating));
+        });
+        let r = rx.recv_timeout(Duration::from_secs(20)).expect("the waits ended");
+        assert_eq!(r, (None, None));
     }
 }

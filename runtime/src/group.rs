@@ -12,7 +12,8 @@ use bytemuck::Pod;
 use bytes::Bytes;
 use ductile_transport::transport::describe;
 use ductile_transport::{
-    Context, Endpoint, Part, Pattern, PendingRecv, Rank, Received, SrcMatch, Tag, TagMatch, TransportError, WindowId,
+    Context, Endpoint, Envelope, Part, Pattern, PendingRecv, Rank, Received, SrcMatch, Tag, TagMatch, TransportError,
+    WindowId,
 };
 use rustc_hash::FxHashMap;
 use serde::de::DeserializeOwned;
@@ -120,19 +121,17 @@ impl AsyncGroup {
         Ok(self.core.endpoint.send_now(self.member(dst)?, self.core.ctx, tag, payload))
     }
 
-    /// Receives raw bytes by pattern, including runtime tags.
-    pub(crate) async fn recv_tagged(&self, src: Option<usize>, tag: TagMatch) -> Result<(Bytes, Status)> {
+    /// The pattern of a receive from `src` (`None`: any member) with `tag`.
+    fn pattern(&self, src: Option<usize>, tag: TagMatch) -> Result<Pattern> {
         let src = match src {
             Some(s) => SrcMatch::Rank(self.member(s)?),
             None => SrcMatch::Any,
         };
-        let pattern = Pattern { ctx: self.core.ctx, src, tag };
-        let env = if self.timed {
-            self.core.endpoint.recv(pattern, self.core.timeout).await?
-        } else {
-            WAITING_FOR.set(Some(pattern));
-            self.core.endpoint.post(pattern)?.await?
-        };
+        Ok(Pattern { ctx: self.core.ctx, src, tag })
+    }
+
+    /// A received message's payload and status.
+    fn status(&self, env: Envelope) -> Result<(Bytes, Status)> {
         let source = *self
             .core
             .index
@@ -140,6 +139,33 @@ impl AsyncGroup {
             .ok_or_else(|| Error::Invalid(format!("message from non-member {}", env.src)))?;
         let len = env.payload.len();
         Ok((env.payload, Status { source, tag: env.tag.0, len }))
+    }
+
+    /// Receives raw bytes by pattern, including runtime tags.
+    pub(crate) async fn recv_tagged(&self, src: Option<usize>, tag: TagMatch) -> Result<(Bytes, Status)> {
+        let pattern = self.pattern(src, tag)?;
+        let env = if self.timed {
+            self.core.endpoint.recv(pattern, self.core.timeout).await?
+        } else {
+            WAITING_FOR.set(Some(pattern));
+            self.core.endpoint.post(pattern)?.await?
+        };
+        self.status(env)
+    }
+
+    /// Receives an application message on this thread, without a future (see
+    /// [`crate::blocking::recv_here`]): the blocking receive's path.
+    fn recv_here(&self, src: Option<usize>, tag: Option<u32>, spin: Duration) -> Result<(Bytes, Status)> {
+        let tag = match tag {
+            Some(t) => TagMatch::Tag(Self::user_tag(t)?),
+            None => TagMatch::Any,
+        };
+        let pattern = self.pattern(src, tag)?;
+        let core = &self.core;
+        match crate::blocking::recv_here(&core.endpoint, pattern, spin, core.timeout) {
+            Some(env) => self.status(env?),
+            None => Err(TransportError::Timeout { what: describe(&pattern), after: core.timeout }.into()),
+        }
     }
 
     /// Posts a receive from `src` with `tag` (including runtime tags) now; the future
@@ -337,8 +363,7 @@ impl AsyncGroup {
     /// As [`AsyncGroup::recv_bytes`], or the payload does not decode as `S`.
     pub async fn recv_value<S: DeserializeOwned>(&self, src: Option<usize>, tag: Option<u32>) -> Result<(S, Status)> {
         let (b, st) = self.recv_bytes(src, tag).await?;
-        let v = postcard::from_bytes(&b).map_err(|source| Error::Decode { src: st.source, source })?;
-        Ok((v, st))
+        Ok((decode(&b, st)?, st))
     }
 }
 
@@ -512,7 +537,8 @@ impl Group {
     /// Bad rank or tag, a timeout naming the source, an ended source, or a payload that
     /// is not whole elements.
     pub fn recv<T: Pod>(&self, src: Option<usize>, tag: Option<u32>) -> Result<(Vec<T>, Status)> {
-        self.block(self.inner.recv(src, tag))
+        let (b, st) = self.recv_bytes(src, tag)?;
+        Ok((pod::bytes_to_vec(&b, st.source)?, st))
     }
 
     /// Receives into `out`, which must match the message's element count.
@@ -522,7 +548,7 @@ impl Group {
     /// # Errors
     /// As [`Group::recv`], or a length mismatch.
     pub fn recv_into<T: Pod>(&self, src: Option<usize>, tag: Option<u32>, out: &mut [T]) -> Result<Status> {
-        let (b, st) = self.block(self.inner.recv_bytes(src, tag))?;
+        let (b, st) = self.recv_bytes(src, tag)?;
         pod::bytes_into(&b, out, st.source, "recv_into")?;
         Ok(st)
     }
@@ -534,7 +560,7 @@ impl Group {
     /// # Errors
     /// As [`Group::recv`].
     pub fn recv_bytes(&self, src: Option<usize>, tag: Option<u32>) -> Result<(Bytes, Status)> {
-        self.block(self.inner.recv_bytes(src, tag))
+        self.inner.recv_here(src, tag, self.spin)
     }
 
     /// Receives a serde value.
@@ -544,8 +570,14 @@ impl Group {
     /// # Errors
     /// As [`Group::recv`], or the payload does not decode.
     pub fn recv_value<S: DeserializeOwned>(&self, src: Option<usize>, tag: Option<u32>) -> Result<(S, Status)> {
-        self.block(self.inner.recv_value(src, tag))
+        let (b, st) = self.recv_bytes(src, tag)?;
+        Ok((decode(&b, st)?, st))
     }
+}
+
+/// A received serde value.
+fn decode<S: DeserializeOwned>(b: &[u8], st: Status) -> Result<S> {
+    postcard::from_bytes(b).map_err(|source| Error::Decode { src: st.source, source })
 }
 
 #[cfg(test)]
@@ -554,17 +586,52 @@ mod tests {
     use ductile_transport::mem::MemHub;
     use std::time::Duration;
 
-    #[test]
-    fn a_timeout_names_what_its_own_call_waited_for() {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    /// Two blocking groups over in-memory endpoints, with `timeout`.
+    fn pair(rt: &tokio::runtime::Runtime, timeout: Duration) -> (Group, Group) {
         let members = vec![Rank(0), Rank(1)];
         let mut eps = MemHub::endpoints(2).into_iter();
         let mut groups = [0, 1].map(|r| {
             let ep = eps.next().unwrap();
-            let g = AsyncGroup::new(ep, Context(0), members.clone(), r, Duration::from_millis(50)).unwrap();
+            let g = AsyncGroup::new(ep, Context(0), members.clone(), r, timeout).unwrap();
             Some(Group::new(g, rt.handle().clone(), Duration::from_micros(20)))
         });
-        let (a, b) = (groups[0].take().unwrap(), groups[1].take().unwrap());
+        (groups[0].take().unwrap(), groups[1].take().unwrap())
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap()
+    }
+
+    #[test]
+    fn blocking_receives_lose_nothing_and_are_woken_from_other_threads() {
+        let rt = runtime();
+        let (a, b) = pair(&rt, Duration::from_millis(30));
+        // A receive that timed out is withdrawn: the message sent afterwards waits for
+        // the next receive, in order with the one after it.
+        assert!(a.recv_bytes(Some(1), Some(7)).is_err());
+        b.send_bytes(0, 7, Bytes::from_static(b"late")).unwrap();
+        b.send_bytes(0, 7, Bytes::from_static(b"later")).unwrap();
+        assert_eq!(a.recv_bytes(Some(1), Some(7)).unwrap().0, Bytes::from_static(b"late"));
+        assert_eq!(a.recv::<u8>(Some(1), Some(7)).unwrap().0, b"later");
+        // Delivered by the sender's thread while this one waits (in-memory endpoints
+        // deliver on send), repeatedly: each wait is woken.
+        let (a, b) = pair(&rt, Duration::from_secs(10));
+        let sender = std::thread::spawn(move || {
+            for i in 0..50u32 {
+                std::thread::sleep(Duration::from_micros(200));
+                b.send_value(0, 9, &i).unwrap();
+            }
+        });
+        for i in 0..50u32 {
+            assert_eq!(a.recv_value::<u32>(Some(1), Some(9)).unwrap(), (i, Status { source: 1, tag: 9, len: 1 }));
+        }
+        sender.join().unwrap();
+    }
+
+    #[test]
+    fn a_timeout_names_what_its_own_call_waited_for() {
+        let rt = runtime();
+        let (a, b) = pair(&rt, Duration::from_millis(50));
         let e = a.recv_bytes(Some(1), Some(7)).unwrap_err().to_string();
         assert!(e.contains("a message from rank 1 (tag 7"), "{e}");
         // A receive that completed is not named by a later call that waits for none.

@@ -18,7 +18,9 @@ use std::sync::Mutex;
 use std::task::{Context as TaskContext, Poll, Waker};
 use tokio::sync::oneshot;
 
+mod here;
 mod landed;
+pub use here::WaitHere;
 pub use landed::{Claim, Landed, PostingInto};
 
 /// A received message.
@@ -104,6 +106,9 @@ enum Reply {
     /// costs no allocation, and the receiver collects its message under the mailbox's
     /// lock (see [`Mailbox::poll_posted`]).
     Kept(Option<Waker>),
+    /// Handed over to the receiver if it is delivered on the receiver's own thread while
+    /// that waits (see [`here`]), otherwise kept as [`Reply::Kept`] is.
+    Here(Waker),
     /// Into the part, then to the receiver (see [`landed`]).
     Into(Part, oneshot::Sender<Result<Landed, TransportError>>),
 }
@@ -112,16 +117,24 @@ enum Reply {
 type Answers = Vec<(u64, Result<Envelope, TransportError>)>;
 
 impl Reply {
-    /// Hands `env` to the receive `id`: kept for it in `kept` (its waker is returned, to
+    /// Hands `env` to the receive `id` of `mailbox`: handed over to this thread if it
+    /// waits for it (see [`here`]), else kept for it in `kept` (its waker is returned, to
     /// wake once the lock is released), or copied into its part. Gives the message back
     /// if the receiver is gone (only a receive into a part can be: a kept answer waits
     /// for its receiver, which withdraws it if it gives up).
-    fn offer(self, id: u64, env: Envelope, kept: &mut Answers) -> Result<Option<Waker>, Envelope> {
+    fn offer(self, mailbox: &Mailbox, id: u64, env: Envelope, kept: &mut Answers) -> Result<Option<Waker>, Envelope> {
         match self {
             Reply::Kept(waker) => {
                 kept.push((id, Ok(env)));
                 Ok(waker)
             }
+            Reply::Here(waker) => match here::hand_over(mailbox, id, env) {
+                Ok(()) => Ok(None),
+                Err(env) => {
+                    kept.push((id, Ok(env)));
+                    Ok(Some(waker))
+                }
+            },
             Reply::Into(part, tx) => {
                 if tx.is_closed() {
                     return Err(env);
@@ -145,6 +158,10 @@ impl Reply {
             Reply::Kept(waker) => {
                 kept.push((id, Err(e)));
                 waker
+            }
+            Reply::Here(waker) => {
+                kept.push((id, Err(e)));
+                Some(waker)
             }
             Reply::Into(_, tx) => {
                 drop(tx.send(Err(e)));
@@ -238,7 +255,7 @@ impl Mailbox {
             if st.posted[i].pattern.matches(env.src, env.ctx, env.tag) {
                 // Index is in range: checked by the loop condition.
                 let p = st.posted.remove(i).expect("index in range");
-                match p.reply.offer(p.id, env, &mut st.kept) {
+                match p.reply.offer(self, p.id, env, &mut st.kept) {
                     Ok(waker) => {
                         drop(st);
                         if let Some(w) = waker {
@@ -285,6 +302,12 @@ impl Mailbox {
                 }
                 Poll::Pending
             }
+            Some(Reply::Here(waker)) => {
+                if !waker.will_wake(cx.waker()) {
+                    *waker = cx.waker().clone();
+                }
+                Poll::Pending
+            }
             _ => Poll::Ready(Err(TransportError::Closed)),
         }
     }
@@ -308,7 +331,7 @@ impl Mailbox {
         let mut st = self.lock();
         if let Some(pos) = st.posted.iter().position(|p| p.pattern.matches(env.src, env.ctx, env.tag)) {
             let p = st.posted.remove(pos).expect("position found");
-            match p.reply.offer(p.id, env, &mut st.kept) {
+            match p.reply.offer(self, p.id, env, &mut st.kept) {
                 Ok(waker) => {
                     drop(st);
                     if let Some(w) = waker {
@@ -393,11 +416,11 @@ impl Mailbox {
 mod tests {
     use super::*;
 
-    fn env(src: u32, tag: u32, body: &'static [u8]) -> Envelope {
+    pub(super) fn env(src: u32, tag: u32, body: &'static [u8]) -> Envelope {
         Envelope { src: Rank(src), ctx: Context(0), tag: Tag(tag), payload: Bytes::from_static(body) }
     }
 
-    fn pat(src: Option<u32>, tag: Option<u32>) -> Pattern {
+    pub(super) fn pat(src: Option<u32>, tag: Option<u32>) -> Pattern {
         Pattern {
             ctx: Context(0),
             src: src.map_or(SrcMatch::Any, |s| SrcMatch::Rank(Rank(s))),
@@ -412,7 +435,7 @@ mod tests {
         }
     }
 
-    fn posted(p: Posting) -> u64 {
+    pub(super) fn posted(p: Posting) -> u64 {
         match p {
             Posting::Posted(id) => id,
             Posting::Ready(..) => panic!("expected a posted receive"),

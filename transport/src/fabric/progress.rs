@@ -43,11 +43,6 @@ impl Inner {
     /// Reads what the completion queue has and acts on it, and retries the backlog.
     /// True if anything completed.
     pub(super) fn progress_once(&self) -> bool {
-        // A thread that just received a message went back to its application first;
-        // its receive slot is posted again here, while the next message is awaited.
-        if self.ops.recv.any_unposted() {
-            self.repost();
-        }
         let mut entries = [std::mem::MaybeUninit::<Completion>::uninit(); BATCH];
         let got = match self.ep.cq().read(&mut entries) {
             Ok(done) => {
@@ -62,6 +57,13 @@ impl Inner {
                 false
             }
         };
+        // The slots of handled messages are posted again once the queue is found empty
+        // (or half of them wait): a thread that received a message goes back to its
+        // application first, and after its reply it reads the queue before it posts
+        // (posting a receive costs more than reading an empty queue).
+        if self.ops.recv.should_post(!got) {
+            self.repost();
+        }
         for (op, why) in self.ops.retry(&self.ep) {
             self.failed(op, why);
         }
@@ -77,7 +79,7 @@ impl Inner {
                 if e.code != super::sys::FI_ECANCELED as i32 {
                     tracing::warn!("{}: a receive failed: {}", self.me.rank, e.text);
                 }
-                // Posted again by the next poll (not once the endpoint shuts down).
+                // Posted again by a later poll (not once the endpoint shuts down).
                 self.ops.recv.release(slot);
                 continue;
             }

@@ -51,6 +51,8 @@ pub(in crate::fabric) struct RecvSlots {
     bufs: Box<[Mutex<LocalBuf>]>,
     /// Slots waiting to be posted, one bit each.
     unposted: AtomicU64,
+    /// Slots given up (their post failed for good), one bit each.
+    given_up: AtomicU64,
     tag: u64,
 }
 
@@ -61,7 +63,7 @@ impl RecvSlots {
         let bufs: Box<[Mutex<LocalBuf>]> = bufs.into_iter().take(MAX_SLOTS).map(Mutex::new).collect();
         let ctxs = (0..bufs.len()).map(|_| SlotContext::default()).collect();
         let all = if bufs.len() == MAX_SLOTS { u64::MAX } else { (1u64 << bufs.len()) - 1 };
-        Self { ctxs, bufs, unposted: AtomicU64::new(all), tag }
+        Self { ctxs, bufs, unposted: AtomicU64::new(all), given_up: AtomicU64::new(0), tag }
     }
 
     /// The slot whose context is `ctx`, if it is one of ours.
@@ -83,9 +85,15 @@ impl RecvSlots {
         self.unposted.fetch_or(1 << i, Ordering::Release);
     }
 
-    /// Whether slots wait to be posted.
-    pub(in crate::fabric) fn any_unposted(&self) -> bool {
-        self.unposted.load(Ordering::Acquire) != 0
+    /// Whether to post the waiting slots now: whenever the completion queue was found
+    /// empty (`idle`), and otherwise only once half the slots still in use wait.
+    pub(in crate::fabric) fn should_post(&self, idle: bool) -> bool {
+        let waiting = self.unposted.load(Ordering::Acquire).count_ones() as usize;
+        waiting > 0
+            && (idle || {
+                let live = self.bufs.len() - self.given_up.load(Ordering::Acquire).count_ones() as usize;
+                2 * waiting >= live
+            })
     }
 
     /// Posts the slots that wait on `ep`; a slot the provider cannot take now
@@ -121,6 +129,7 @@ impl RecvSlots {
                 Ok(Posted::Yes) => {}
                 Ok(Posted::Again) => again |= 1 << i,
                 Err(e) => {
+                    self.given_up.fetch_or(1 << i, Ordering::Release);
                     first_err.get_or_insert(e);
                 }
             }
@@ -197,6 +206,12 @@ mod tests {
         assert_eq!(post(&s, |_| Ok(Posted::Yes)).0, Vec::<usize>::new());
         s.release(2);
         assert_eq!(post(&s, |_| Ok(Posted::Yes)).0, [2]);
+        // While completions keep coming, slots are posted again once half of the four
+        // still in use wait (the given-up one does not count).
+        s.release(0);
+        assert!(!s.should_post(false) && s.should_post(true));
+        s.release(1);
+        assert!(s.should_post(false));
     }
 
     #[test]
@@ -207,12 +222,12 @@ mod tests {
         let s = slots(5);
         assert_eq!(s.unposted.load(Ordering::Relaxed), 0b11111);
         s.unposted.store(0, Ordering::Relaxed);
-        assert!(!s.any_unposted());
+        assert!(!s.should_post(true));
         s.release(3);
         s.release(0);
-        assert!(s.any_unposted());
+        assert!(s.should_post(true) && !s.should_post(false));
         assert_eq!(s.unposted.load(Ordering::Relaxed), 0b1001);
         assert_eq!(RecvSlots::default().bufs.len(), 0);
-        assert!(!RecvSlots::default().any_unposted());
+        assert!(!RecvSlots::default().should_post(true));
     }
 }
