@@ -35,10 +35,14 @@ impl Wake for Flag {
     }
 }
 
+/// A thread's wake flag and a waker that sets it.
+type Waking = (Arc<Flag>, Waker);
+
 thread_local! {
-    /// This thread's wake flag, kept between blocking calls (a call nested inside
-    /// another's future finds it taken and makes its own).
-    static FLAG: std::cell::Cell<Option<Arc<Flag>>> = const { std::cell::Cell::new(None) };
+    /// This thread's wake flag and its waker, kept between blocking calls (made once:
+    /// a call then clones and drops no waker of its own). A call nested inside
+    /// another's future finds them taken and makes its own.
+    static FLAG: std::cell::Cell<Option<Waking>> = const { std::cell::Cell::new(None) };
 }
 
 /// Polls `fut` to completion on this thread, spinning up to `spin` per wait before
@@ -55,8 +59,7 @@ pub(crate) fn block_on<F: Future>(
     fut: F,
 ) -> Option<F::Output> {
     let _enter = handle.enter();
-    let flag = take_flag();
-    let waker = Waker::from(flag.clone());
+    let (flag, waker) = take_flag();
     let mut cx = Context::from_waker(&waker);
     let mut fut = pin!(fut);
     let mut deadline = Deadline::new(timeout);
@@ -68,13 +71,17 @@ pub(crate) fn block_on<F: Future>(
             break None;
         }
     };
-    FLAG.set(Some(flag));
+    FLAG.set(Some((flag, waker)));
     out
 }
 
-/// This thread's wake flag (see [`FLAG`]); give it back with `FLAG.set`.
-fn take_flag() -> Arc<Flag> {
-    FLAG.take().unwrap_or_else(|| Arc::new(Flag { woken: AtomicBool::new(false), thread: thread::current() }))
+/// This thread's wake flag and waker (see [`FLAG`]); give them back with `FLAG.set`.
+fn take_flag() -> Waking {
+    FLAG.take().unwrap_or_else(|| {
+        let flag = Arc::new(Flag { woken: AtomicBool::new(false), thread: thread::current() });
+        let waker = Waker::from(flag.clone());
+        (flag, waker)
+    })
 }
 
 /// Receives the oldest message `pattern` matches on `ep`, waiting on this thread as
@@ -91,8 +98,7 @@ pub(crate) fn recv_here(
     spin: Duration,
     timeout: Duration,
 ) -> Option<Result<Envelope, TransportError>> {
-    let flag = take_flag();
-    let waker = Waker::from(flag.clone());
+    let (flag, waker) = take_flag();
     let out = match ep.mailbox().post_here(pattern, &waker) {
         Err(e) => Some(Err(e)),
         Ok(Ok(env)) => Some(Ok(env)),
@@ -114,7 +120,7 @@ pub(crate) fn recv_here(
             }
         }),
     };
-    FLAG.set(Some(flag));
+    FLAG.set(Some((flag, waker)));
     out
 }
 

@@ -163,6 +163,11 @@ impl AsyncGroup {
         let pattern = self.pattern(src, tag)?;
         let core = &self.core;
         match crate::blocking::recv_here(&core.endpoint, pattern, spin, core.timeout) {
+            // From the source asked for: no need to look its group rank up.
+            Some(Ok(env)) if src.is_some() => {
+                let st = Status { source: src.unwrap_or_default(), tag: env.tag.0, len: env.payload.len() };
+                Ok((env.payload, st))
+            }
             Some(env) => self.status(env?),
             None => Err(TransportError::Timeout { what: describe(&pattern), after: core.timeout }.into()),
         }
