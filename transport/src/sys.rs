@@ -3,11 +3,23 @@
 use bytes::BufMut;
 use std::os::fd::RawFd;
 
+/// What a read from a socket got.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Got {
+    /// Bytes read.
+    pub(crate) n: usize,
+    /// Whether they filled the space offered. A stream socket's `recv` stops short only
+    /// when its receive queue is empty, so after a short read there is nothing more to
+    /// read until new data arrives (which raises a new edge for edge-triggered `epoll`).
+    pub(crate) full: bool,
+}
+
 /// Reads from a non-blocking socket into `buf`'s spare capacity, bypassing tokio's
 /// readiness cache (a thread that polls a socket tokio also watches must see data that
 /// tokio has already been told about). `WouldBlock` when nothing is there.
-pub(crate) fn recv_nonblocking(fd: RawFd, buf: &mut impl BufMut) -> std::io::Result<usize> {
+pub(crate) fn recv_nonblocking(fd: RawFd, buf: &mut impl BufMut) -> std::io::Result<Got> {
     let chunk = buf.chunk_mut();
+    let offered = chunk.len();
     // SAFETY: `chunk` is writable memory of `chunk.len()` bytes owned by `buf`;
     // recv writes at most that many bytes and returns how many it wrote.
     let n = unsafe { libc::recv(fd, chunk.as_mut_ptr().cast(), chunk.len(), libc::MSG_DONTWAIT) };
@@ -17,7 +29,7 @@ pub(crate) fn recv_nonblocking(fd: RawFd, buf: &mut impl BufMut) -> std::io::Res
     let n = n as usize;
     // SAFETY: recv initialised the first `n` bytes of the chunk.
     unsafe { buf.advance_mut(n) };
-    Ok(n)
+    Ok(Got { n, full: n == offered })
 }
 
 /// Writes `bufs` to a non-blocking socket with one `sendmsg` call, without raising

@@ -10,7 +10,9 @@
 //! While an application thread polls, the progress thread stands aside on a condition
 //! variable instead of waiting in `epoll`, so arriving data wakes nobody. Sockets are
 //! registered edge-triggered; whoever reads, reads until `WouldBlock`, and the progress
-//! thread takes the connection lock blockingly, so no data is ever left unread.
+//! thread takes the connection lock blockingly, so no data is ever left unread. (A
+//! polling application thread stops at a short read, which leaves nothing either; see
+//! [`Reader::drain`].)
 
 use super::lock;
 use crate::error::{FrameError, TransportError};
@@ -18,6 +20,7 @@ use crate::frame::{FrameHeader, FrameKind, FrameLimits, HEADER_LEN};
 use crate::ids::Rank;
 use crate::landing::Part;
 use crate::matching::{Claim, Envelope, Mailbox, PeerEnd};
+use crate::sys::Got;
 use crate::window::{self, GetRequest, GetTable, WindowError, WindowTable};
 use bytes::{Buf, BufMut, BytesMut};
 use mio::unix::SourceFd;
@@ -100,13 +103,13 @@ impl Big {
     }
 
     /// Reads at most `want` more bytes from `fd`.
-    fn recv(&mut self, fd: std::os::fd::RawFd, want: usize) -> std::io::Result<usize> {
+    fn recv(&mut self, fd: std::os::fd::RawFd, want: usize) -> std::io::Result<Got> {
         match self {
             Big::Buf(b) => crate::sys::recv_nonblocking(fd, &mut b.limit(want)),
             Big::Mem(m, n) => {
                 let mut rest = &mut m.bytes_mut()[*n..];
                 let got = crate::sys::recv_nonblocking(fd, &mut (&mut rest).limit(want))?;
-                *n += got;
+                *n += got.n;
                 Ok(got)
             }
         }
@@ -200,7 +203,7 @@ impl Reader {
         self.registry.register(&mut SourceFd(&conn.stream.as_raw_fd()), token, Interest::READABLE)?;
         // Data that arrived before registration raised no edge: read it now.
         let mut st = lock(&conn.state);
-        self.drain(&conn, &mut st);
+        self.drain(&conn, &mut st, false);
         Ok(())
     }
 
@@ -220,7 +223,7 @@ impl Reader {
         for conn in conns.values() {
             if let Ok(mut st) = conn.state.try_lock() {
                 let before = st.received;
-                ended |= self.drain(conn, &mut st);
+                ended |= self.drain(conn, &mut st, true);
                 read |= st.received != before;
             }
         }
@@ -289,7 +292,7 @@ impl Reader {
                 let conn = lock(&self.conns).get(&ev.token()).cloned();
                 if let Some(conn) = conn {
                     let mut st = lock(&conn.state);
-                    if self.drain(&conn, &mut st) {
+                    if self.drain(&conn, &mut st, false) {
                         drop(st);
                         let _ = self.registry.deregister(&mut SourceFd(&conn.stream.as_raw_fd()));
                         lock(&self.conns).remove(&ev.token());
@@ -389,16 +392,27 @@ impl Reader {
 
     /// Reads until `WouldBlock`, delivering complete frames. True once the connection
     /// has ended (goodbye, error, or bad frame).
-    fn drain(&self, conn: &Inbound, st: &mut ReadState) -> bool {
+    ///
+    /// A polling application thread (`polling`) stops at a short read instead: the
+    /// socket was empty then, and what arrives later raises a new edge for the progress
+    /// thread. The progress thread itself reads on to `WouldBlock`, since the edge it
+    /// was woken by may also stand for the peer's close arriving just behind the data.
+    fn drain(&self, conn: &Inbound, st: &mut ReadState, polling: bool) -> bool {
         if conn.ended.load(Ordering::Acquire) {
             return true;
         }
         let fd = conn.stream.as_raw_fd();
+        let mut drained = false;
         loop {
             match self.parse(conn.peer, st) {
                 Ok(false) => {}
                 Ok(true) => return self.end(conn, st, Ok(())),
                 Err(e) => return self.end(conn, st, Err(e)),
+            }
+            // A short read emptied the socket: no `recv` that would only find nothing
+            // (a whole system call on the polling thread's way back to its receiver).
+            if drained && polling {
+                return false;
             }
             let read = match &mut st.big {
                 Some((h, big)) => {
@@ -413,11 +427,14 @@ impl Reader {
                 }
             };
             match read {
-                Ok(0) => {
+                Ok(Got { n: 0, .. }) => {
                     let eof = TransportError::io(conn.peer, std::io::ErrorKind::UnexpectedEof.into());
                     return self.end(conn, st, Err(eof));
                 }
-                Ok(n) => st.received += n as u64,
+                Ok(Got { n, full }) => {
+                    st.received += n as u64;
+                    drained = !full;
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return self.end(conn, st, Err(TransportError::io(conn.peer, e))),
