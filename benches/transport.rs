@@ -51,12 +51,32 @@ fn built_backends() -> impl Iterator<Item = &'static Backend> {
 
 /// The rank side: `MODE ITERS SIZE`, printing `elapsed_ns=N` on rank 0 (same contract as
 /// the C peer).
+///
+/// Mode `crowded` (any number of ranks, not part of the criterion run): every rank first
+/// exchanges a message with every other, so that each holds a connection to all; then
+/// ranks 0 and 1 time the latency ping-pong while the others wait, idle, in the final
+/// barrier. It shows what a polling rank pays per idle peer.
 fn rank_main(mode: &str, iters: u64, size: usize) -> anyhow::Result<()> {
     let session = ductile::init()?;
     let w = session.world();
-    anyhow::ensure!(w.size() == 2, "pingpong needs exactly 2 ranks");
+    let crowded = mode == "crowded";
+    anyhow::ensure!(w.size() == 2 || (crowded && w.size() >= 2), "pingpong needs exactly 2 ranks");
     let me = w.rank();
-    let other = 1 - me;
+    let other = if me < 2 { 1 - me } else { 0 };
+    if crowded {
+        for peer in (0..w.size()).filter(|&p| p != me) {
+            w.send_bytes(peer, ACK, Bytes::from_static(b"h"))?;
+        }
+        for peer in (0..w.size()).filter(|&p| p != me) {
+            w.recv_bytes(Some(peer), Some(ACK))?;
+        }
+        w.barrier()?;
+        if me >= 2 {
+            // Waits, idle, in the final barrier.
+            session.finalize()?;
+            return Ok(());
+        }
+    }
     let buf = Bytes::from(vec![1u8; size]);
     let round_trip = |n: u64| -> anyhow::Result<()> {
         for _ in 0..n {
@@ -87,7 +107,9 @@ fn rank_main(mode: &str, iters: u64, size: usize) -> anyhow::Result<()> {
     // Rank 1 exposes a window; rank 0 reads all of it `n` times, one get at a time.
     let window = if mode == "get" && me == 1 { Some(w.expose(buf.clone())?) } else { None };
     let mut id = window;
-    w.broadcast_value(1, &mut id)?;
+    if mode == "get" {
+        w.broadcast_value(1, &mut id)?;
+    }
     let gets = |n: u64| -> anyhow::Result<()> {
         if me == 0 {
             let id = id.ok_or_else(|| anyhow::anyhow!("rank 1 exposed no window"))?;
@@ -98,17 +120,24 @@ fn rank_main(mode: &str, iters: u64, size: usize) -> anyhow::Result<()> {
         Ok(())
     };
     let run = |n: u64| match mode {
-        "latency" => round_trip(n),
+        "latency" | "crowded" => round_trip(n),
         "get" => gets(n),
         _ => stream(n),
     };
     run(iters.min(100))?;
-    w.barrier()?;
+    // The warm-up's ping-pong already pairs ranks 0 and 1 when the others are idle.
+    if !crowded {
+        w.barrier()?;
+    }
     let start = std::time::Instant::now();
     run(iters)?;
     let elapsed = start.elapsed();
     if me == 0 {
         println!("elapsed_ns={}", elapsed.as_nanos());
+    }
+    if crowded {
+        session.finalize()?;
+        return Ok(());
     }
     w.barrier()?;
     if let Some(id) = window {
@@ -324,7 +353,7 @@ fn main() {
     if args.get(1).map(String::as_str) == Some("--rank") {
         let parsed = (args.get(2), args.get(3).and_then(|v| v.parse().ok()), args.get(4).and_then(|v| v.parse().ok()));
         let (Some(mode), Some(iters), Some(size)) = parsed else {
-            eprintln!("usage: transport --rank latency|bandwidth|get ITERS SIZE");
+            eprintln!("usage: transport --rank latency|bandwidth|get|crowded ITERS SIZE");
             std::process::exit(2);
         };
         if let Err(e) = rank_main(mode, iters, size) {

@@ -8,9 +8,12 @@ use std::os::fd::RawFd;
 pub(crate) struct Got {
     /// Bytes read.
     pub(crate) n: usize,
-    /// Whether they filled the space offered. A stream socket's `recv` stops short only
-    /// when its receive queue is empty, so after a short read there is nothing more to
-    /// read until new data arrives (which raises a new edge for edge-triggered `epoll`).
+    /// Whether they filled the space offered. A TCP socket's `recv` stops short when its
+    /// receive queue is empty (or at urgent data, which the backend never sends), so
+    /// after a short read there is nothing more to read until new data arrives, which
+    /// raises a new edge for edge-triggered `epoll` (data held back while the read had
+    /// the socket is released, and signalled, when the read ends). A read limited to a
+    /// frame's rest that fills it says nothing about what follows.
     pub(crate) full: bool,
 }
 
@@ -30,6 +33,64 @@ pub(crate) fn recv_nonblocking(fd: RawFd, buf: &mut impl BufMut) -> std::io::Res
     // SAFETY: recv initialised the first `n` bytes of the chunk.
     unsafe { buf.advance_mut(n) };
     Ok(Got { n, full: n == offered })
+}
+
+/// A level-triggered `epoll` set: which of many sockets have something to read, asked
+/// in one system call whatever their number. Written by hand because mio, which the
+/// progress thread's set uses, registers every source edge-triggered, and a thread that
+/// polls, stops reading at a short read or finds a socket busy with another reader must
+/// be told again about data it left.
+pub(crate) struct ReadySet(std::os::fd::OwnedFd);
+
+impl ReadySet {
+    /// An empty set.
+    pub(crate) fn new() -> std::io::Result<Self> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: epoll_create1 has no memory preconditions.
+        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a new descriptor that nothing else owns.
+        Ok(Self(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Adds `fd`, reported with `key` while it has something to read (data, its end, an
+    /// error). Remove it before closing it (a socket leaves the set by itself only when
+    /// its last descriptor closes).
+    pub(crate) fn add(&self, fd: RawFd, key: u64) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32, u64: key };
+        // SAFETY: both descriptors are open; `ev` is a valid event the call only reads.
+        if unsafe { libc::epoll_ctl(self.0.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &raw mut ev) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Removes `fd` (best effort: closing it removes it too).
+    pub(crate) fn remove(&self, fd: RawFd) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a null event is allowed for EPOLL_CTL_DEL since Linux 2.6.9.
+        let _ = unsafe { libc::epoll_ctl(self.0.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+    }
+
+    /// The keys of the members that have something to read now, at most `out.len()`
+    /// (the others are reported by the next call); never waits.
+    pub(crate) fn ready<'a>(
+        &self,
+        out: &'a mut [libc::epoll_event],
+    ) -> std::io::Result<impl Iterator<Item = u64> + 'a> {
+        use std::os::fd::AsRawFd;
+        let max = i32::try_from(out.len()).unwrap_or(i32::MAX);
+        // SAFETY: `out` has room for `max` events, which the call writes.
+        let n = unsafe { libc::epoll_wait(self.0.as_raw_fd(), out.as_mut_ptr(), max, 0) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // A packed struct's field is read by value.
+        Ok(out[..n as usize].iter().map(|e| e.u64))
+    }
 }
 
 /// Writes `bufs` to a non-blocking socket with one `sendmsg` call, without raising
@@ -120,5 +181,30 @@ mod tests {
         let before = rcvbuf();
         set_socket_buffers(socket.as_raw_fd(), 4 << 20);
         assert!(rcvbuf() >= before, "{} < {before}", rcvbuf());
+    }
+
+    #[test]
+    fn a_ready_set_reports_what_has_something_to_read_until_it_is_read() {
+        use std::io::{Read, Write};
+        use std::os::fd::AsRawFd;
+        let set = ReadySet::new().unwrap();
+        let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let (mut c, mut d) = std::os::unix::net::UnixStream::pair().unwrap();
+        set.add(b.as_raw_fd(), 7).unwrap();
+        set.add(d.as_raw_fd(), 9).unwrap();
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 4];
+        let mut keys = |set: &ReadySet| set.ready(&mut events).unwrap().collect::<Vec<_>>();
+        assert!(keys(&set).is_empty());
+        c.write_all(b"x").unwrap();
+        // Level-triggered: reported again while unread.
+        assert_eq!(keys(&set), [9]);
+        assert_eq!(keys(&set), [9]);
+        d.read_exact(&mut [0u8; 1]).unwrap();
+        assert!(keys(&set).is_empty());
+        // A peer's end counts as something to read; a removed member is not reported.
+        a.write_all(b"y").unwrap();
+        set.remove(b.as_raw_fd());
+        drop(c);
+        assert_eq!(keys(&set), [9]);
     }
 }
