@@ -61,3 +61,65 @@ async fn garbage_truncated_and_oversized_clients_are_dropped() {
     eps[0].send(Rank(1), Context(0), Tag(1), Bytes::from_static(b"still fine")).await.unwrap();
     assert_eq!(eps[1].recv(from(0, 1), T).await.unwrap().payload, &b"still fine"[..]);
 }
+
+/// Many connections into one endpoint, read by an application thread that polls (past
+/// two connections it asks which are readable, see the backend's inbound module): every
+/// message arrives, in order per source, and peers that close leave nothing behind that
+/// the poller keeps tripping over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_polling_thread_reads_every_one_of_many_connections() {
+    const N: u32 = 24;
+    const ROUNDS: u8 = 3;
+    let eps = job(N, 1);
+    // Every other rank connects to rank 0 by sending it a first message.
+    for (k, e) in eps.iter().enumerate().skip(1) {
+        e.send(Rank(0), Context(0), Tag(1), Bytes::from(vec![k as u8; 8])).await.unwrap();
+    }
+    for k in 1..N {
+        assert_eq!(eps[0].recv(from(k, 1), T).await.unwrap().payload[0], k as u8);
+    }
+    // Rank 0 now polls as a waiting application thread does, while all send at once.
+    let ep0 = eps[0].clone();
+    let want = (N as usize - 1) * usize::from(ROUNDS);
+    let poller = std::thread::spawn(move || {
+        ep0.poll_begin();
+        let start = std::time::Instant::now();
+        while ep0.mailbox().queued() < want && start.elapsed() < T {
+            ep0.progress();
+        }
+        ep0.poll_end(false);
+        ep0.mailbox().queued()
+    });
+    for round in 0..ROUNDS {
+        for (k, e) in eps.iter().enumerate().skip(1) {
+            e.send(Rank(0), Context(0), Tag(2), Bytes::from(vec![k as u8, round])).await.unwrap();
+        }
+    }
+    assert_eq!(poller.join().unwrap(), want);
+    for k in 1..N {
+        for round in 0..ROUNDS {
+            assert_eq!(eps[0].recv(from(k, 2), T).await.unwrap().payload, &[k as u8, round][..]);
+        }
+    }
+    // Half the peers close; the poller reads their goodbyes and goes on with the rest.
+    for e in &eps[1..N as usize / 2] {
+        e.transport().close().await;
+    }
+    let ep0 = eps[0].clone();
+    let poller = std::thread::spawn(move || {
+        ep0.poll_begin();
+        let start = std::time::Instant::now();
+        while ep0.mailbox().queued() < 1 && start.elapsed() < T {
+            ep0.progress();
+        }
+        ep0.poll_end(false);
+    });
+    eps[N as usize - 1].send(Rank(0), Context(0), Tag(3), Bytes::from_static(b"last")).await.unwrap();
+    poller.join().unwrap();
+    assert_eq!(eps[0].recv(from(N - 1, 3), T).await.unwrap().payload, &b"last"[..]);
+    let closed = eps[0].recv(from(1, 3), T).await.unwrap_err();
+    assert!(closed.to_string().contains("closed") || closed.to_string().contains("said goodbye"), "{closed}");
+    for e in &eps {
+        e.transport().close().await;
+    }
+}
