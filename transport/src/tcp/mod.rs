@@ -32,7 +32,7 @@ use inbound::{OneSided, Reader, Served};
 use outbound::Outbound;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -55,6 +55,8 @@ struct Inner {
     gets: Arc<GetTable>,
     tasks: Mutex<Vec<AbortHandle>>,
     closed: AtomicBool,
+    /// Bytes queued on the outbound connections (see [`Outbound::new`]).
+    pending: Arc<AtomicUsize>,
 }
 
 /// The TCP backend; see the module docs.
@@ -94,6 +96,7 @@ impl TcpTransport {
             gets,
             tasks: Mutex::new(Vec::new()),
             closed: AtomicBool::new(false),
+            pending: Arc::new(AtomicUsize::new(0)),
         });
         let task = tokio::spawn(accept_loop(inner.clone(), listener));
         lock(&inner.tasks).push(task.abort_handle());
@@ -252,7 +255,7 @@ impl Inner {
             HandshakeError::Io(e) => TransportError::io(dst, e),
         })?;
         let std_stream = stream.into_std().map_err(|e| TransportError::io(dst, e))?;
-        Outbound::new(dst, std_stream).map_err(|e| TransportError::io(dst, e))
+        Outbound::new(dst, std_stream, self.pending.clone()).map_err(|e| TransportError::io(dst, e))
     }
 
     async fn send(&self, dst: Rank, ctx: Context, tag: Tag, payload: Bytes) -> Result<(), TransportError> {
@@ -276,15 +279,19 @@ impl Inner {
     /// Flushes queued output and reads input on the calling thread.
     fn progress(&self) -> bool {
         let mut moved = self.reader.progress();
-        for o in lock(&self.out).values() {
-            moved |= o.flush();
+        if self.pending.load(Ordering::Acquire) > 0 {
+            for o in lock(&self.out).values() {
+                moved |= o.flush();
+            }
         }
         moved
     }
 
     fn wake_writers(&self) {
-        for o in lock(&self.out).values() {
-            o.wake_writer();
+        if self.pending.load(Ordering::Acquire) > 0 {
+            for o in lock(&self.out).values() {
+                o.wake_writer();
+            }
         }
     }
 
