@@ -51,7 +51,6 @@ fn a_failing_rank_ends_the_job_with_its_code_and_leaves_nothing() {
     assert!(start.elapsed() < Duration::from_secs(20));
     assert!(String::from_utf8_lossy(&out.stderr).contains("rank 2 on node 1 exited with code 3"));
     assert_no_survivors(&report);
-    let _ = std::fs::remove_file(report);
 }
 
 #[test]
@@ -71,7 +70,6 @@ fn timeout_and_ctrl_c_end_the_whole_job() {
     let status = wait_with_timeout(&mut child, Duration::from_secs(20));
     assert_eq!(status.code(), Some(130));
     assert_no_survivors(&report);
-    let _ = std::fs::remove_file(report);
 }
 
 #[test]
@@ -113,7 +111,6 @@ fn a_program_that_is_not_a_ductile_program_fails_cleanly() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("did not join the job within"), "{err}");
     assert_no_survivors(&report);
-    let _ = std::fs::remove_file(report);
 }
 
 #[test]
@@ -176,5 +173,4 @@ fn intruders_are_rejected_and_the_job_completes() {
     assert!(rest.iter().any(|l| l.contains("guarded: result correct")), "{rest:?}");
     let rejected = err.lines().filter(|l| l.contains("rejected connection")).count();
     assert_eq!(rejected, 4, "{err}");
-    let _ = std::fs::remove_file(go);
 }

@@ -45,7 +45,6 @@ fn jacobi(opts: &[&str], extra: &[&str], name: &str) -> (String, serde_json::Val
     let sum = format!("{} after {}", field("checksum "), field("iterations "));
     assert_no_survivors(&report);
     let v = read_report(&report);
-    let _ = std::fs::remove_file(report);
     (sum, v)
 }
 
@@ -214,8 +213,6 @@ fn a_shrink_leaves_no_process_of_the_released_nodes() {
         .collect();
     assert_eq!(released, vec![1, 2, 3]);
     assert_no_survivors(&report);
-    let _ = std::fs::remove_dir_all(dir);
-    let _ = std::fs::remove_file(report);
 }
 
 #[test]
@@ -264,7 +261,6 @@ fn ductile_resize_drives_a_running_job_and_refuses_bad_requests() {
     let out = ask(&socket, "--nodes", "1");
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach job"), "{out:?}");
-    let _ = std::fs::remove_file(report);
 }
 
 #[test]
@@ -293,7 +289,6 @@ fn a_process_crashing_during_a_shrink_fails_the_job_naming_it_and_leaves_nothing
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("while leaving in a shrink") && err.contains("on node 1 exited with code 9"), "{err}");
     assert_no_survivors(&report);
-    let _ = std::fs::remove_file(report);
 }
 
 /// `ductile run` of the fault example with `args`, grown from 1 to 4 nodes of 1 slot at
@@ -322,7 +317,6 @@ fn a_process_crashing_as_it_joins_a_growth_fails_the_job_naming_it_and_leaves_no
     let doc = read_report(&report);
     assert_eq!(doc["nodes"].as_array().map(Vec::len), Some(4), "every new node world is in the report: {doc}");
     assert_no_survivors(&report);
-    let _ = std::fs::remove_file(report);
 }
 
 #[test]
@@ -339,8 +333,6 @@ fn a_growth_pays_the_start_up_of_new_processes_once_not_once_per_step() {
     let doc = read_report(&report);
     let spawn = doc["reconfigurations"][0]["phases_ms"]["spawn"].as_f64().expect("a growth in the report");
     assert!((600.0..1000.0).contains(&spawn), "spawn phase {spawn} ms: {doc}");
-    let _ = std::fs::remove_file(report);
-    let _ = std::fs::remove_file(marker);
 }
 
 #[test]
@@ -367,8 +359,6 @@ fn a_process_failing_before_it_joins_a_growth_fails_the_job_and_leaves_nothing()
         .filter(|c| c.contains(&marker_text))
         .collect();
     assert!(named.is_empty(), "processes of the job still running: {named:?}");
-    let _ = std::fs::remove_file(report);
-    let _ = std::fs::remove_file(marker);
 }
 
 #[test]
@@ -396,7 +386,6 @@ fn an_application_finishing_during_a_background_growth_ends_the_job_cleanly() {
     // The new node worlds' ranks are in the report, and nothing of the job survives.
     assert!(nodes[1..].iter().all(|n| !n["pids"].as_array().unwrap().is_empty()), "{v}");
     assert_no_survivors(&report);
-    let _ = std::fs::remove_file(report);
 }
 
 #[test]
@@ -438,7 +427,6 @@ fn an_application_finishing_during_a_background_move_ends_the_job_cleanly() {
     let v = read_report(&report);
     assert!(v["reconfigurations"].as_array().unwrap().is_empty(), "{v}");
     assert_no_survivors(&report);
-    let _ = std::fs::remove_file(report);
 }
 
 #[test]
@@ -465,6 +453,5 @@ fn an_application_finishing_while_a_growth_switches_ends_the_job_cleanly() {
         assert!(started.elapsed() < Duration::from_secs(20), "run {i} took {:?}", started.elapsed());
         assert!(String::from_utf8_lossy(&out.stdout).contains("checksum"), "run {i}");
         assert_no_survivors(&report);
-        let _ = std::fs::remove_file(report);
     }
 }

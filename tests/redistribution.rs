@@ -34,7 +34,6 @@ fn redist_job_with(method: &str, job_extra: &[&str], extra: &[&str], name: &str)
     assert!(text.contains(&format!("redist: 20 changes by {method}, every element intact")), "{text}");
     assert_no_survivors(&report);
     let v = read_report(&report);
-    let _ = std::fs::remove_file(report);
     (v, text.into_owned())
 }
 
@@ -132,7 +131,6 @@ fn mismatched_registrations_fail_every_rank_with_the_reason() {
     assert!(err.contains("odd: 1000004 x f64"), "{err}");
     assert!(err.contains("the registered items of rank 2 differ from rank 0's"), "{err}");
     assert_no_survivors(&report);
-    let _ = std::fs::remove_file(report);
 }
 
 /// 256 MiB moved 2 -> 4 -> 1 -> 8 -> 2: every process checks that its peak memory grew
@@ -219,7 +217,6 @@ fn a_source_dying_during_a_background_move_fails_the_job_naming_it() {
     assert!(!stdout.contains("data intact"), "a change was reported complete: {stdout}");
     assert!(started.elapsed() < std::time::Duration::from_secs(60), "took {:?}", started.elapsed());
     assert_no_survivors(&report);
-    let _ = std::fs::remove_file(report);
 }
 
 #[test]

@@ -28,8 +28,36 @@ pub fn ex(name: &str) -> String {
     p.display().to_string()
 }
 
-pub fn tmp(name: &str) -> std::path::PathBuf {
-    std::env::temp_dir().join(format!("ductile-test-{}-{name}", std::process::id()))
+/// A scratch path of this test process under the temporary directory (a report, a
+/// marker, a directory): removed, whatever it is then, when the guard is dropped, so a
+/// test leaves none behind, even when it fails.
+pub struct Scratch(std::path::PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::path::Path> for Scratch {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if self.0.is_dir() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        } else {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+}
+
+pub fn tmp(name: &str) -> Scratch {
+    Scratch(std::env::temp_dir().join(format!("ductile-test-{}-{name}", std::process::id())))
 }
 
 /// Whether `pid` is a running process (a zombie waiting to be reaped counts as gone).
