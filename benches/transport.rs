@@ -78,13 +78,17 @@ fn rank_main(mode: &str, iters: u64, size: usize) -> anyhow::Result<()> {
         }
     }
     let buf = Bytes::from(vec![1u8; size]);
-    let round_trip = |n: u64| -> anyhow::Result<()> {
+    // The ping-pong receives into memory of its own (`recv_into`, as `MPI_Recv` and
+    // `fi_pingpong` do); DUCTILE_BENCH_RECV=bytes times `recv_bytes` instead.
+    let into = std::env::var("DUCTILE_BENCH_RECV").map_or(true, |v| v != "bytes");
+    let mut got = vec![0u8; size];
+    let mut round_trip = |n: u64| -> anyhow::Result<()> {
         for _ in 0..n {
             if me == 0 {
                 w.send_bytes(other, TAG, buf.clone())?;
-                w.recv_bytes(Some(other), Some(TAG))?;
+                receive(w, other, into.then_some(&mut got[..]))?;
             } else {
-                w.recv_bytes(Some(other), Some(TAG))?;
+                receive(w, other, into.then_some(&mut got[..]))?;
                 w.send_bytes(other, TAG, buf.clone())?;
             }
         }
@@ -119,7 +123,7 @@ fn rank_main(mode: &str, iters: u64, size: usize) -> anyhow::Result<()> {
         }
         Ok(())
     };
-    let run = |n: u64| match mode {
+    let mut run = |n: u64| match mode {
         "latency" | "crowded" => round_trip(n),
         "get" => gets(n),
         _ => stream(n),
@@ -144,6 +148,15 @@ fn rank_main(mode: &str, iters: u64, size: usize) -> anyhow::Result<()> {
         w.withdraw(id)?;
     }
     session.finalize()?;
+    Ok(())
+}
+
+/// One message of the ping-pong from `other`: into `got` if given, else as bytes.
+fn receive(w: &ductile::Group, other: usize, got: Option<&mut [u8]>) -> anyhow::Result<()> {
+    match got {
+        Some(got) => drop(w.recv_into(Some(other), Some(TAG), got)?),
+        None => drop(w.recv_bytes(Some(other), Some(TAG))?),
+    }
     Ok(())
 }
 

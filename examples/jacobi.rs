@@ -79,8 +79,15 @@ fn sweep(world: &Group, u: &[f64], k: &[f64], start: u64, n: u64) -> ductile::Re
     if r + 1 < p {
         world.send(r + 1, TAG_TO_RIGHT, &u[u.len() - 1..])?;
     }
-    let left = if r > 0 { world.recv::<f64>(Some(r - 1), Some(TAG_TO_RIGHT))?.0[0] } else { 0.0 };
-    let right = if r + 1 < p { world.recv::<f64>(Some(r + 1), Some(TAG_TO_LEFT))?.0[0] } else { 0.0 };
+    // The neighbours' edge values land in place (`recv_into`: no buffer per message).
+    let (mut left, mut right) = ([0.0f64], [0.0f64]);
+    if r > 0 {
+        world.recv_into(Some(r - 1), Some(TAG_TO_RIGHT), &mut left)?;
+    }
+    if r + 1 < p {
+        world.recv_into(Some(r + 1), Some(TAG_TO_LEFT), &mut right)?;
+    }
+    let (left, right) = (left[0], right[0]);
     let mut new = u.to_vec();
     let last = u.len() - 1;
     for (i, v) in new.iter_mut().enumerate() {

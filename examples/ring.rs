@@ -13,18 +13,20 @@ fn main() -> anyhow::Result<()> {
     let world = session.world();
     let (r, p) = (world.rank(), world.size());
     let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
-    let mut token = 0u64;
+    // The token is received in place (`recv_into`); a message of another size would be
+    // an error.
+    let mut token = [0u64];
     for _ in 0..laps {
         if r == 0 {
-            world.send(next, TAG, &[token + 1])?;
-            let (v, _) = world.recv::<u64>(Some(prev), Some(TAG))?;
-            token = v[0];
+            world.send(next, TAG, &[token[0] + 1])?;
+            world.recv_into(Some(prev), Some(TAG), &mut token)?;
         } else {
-            let (v, _) = world.recv::<u64>(Some(prev), Some(TAG))?;
-            token = v[0] + 1;
-            world.send(next, TAG, &[token])?;
+            world.recv_into(Some(prev), Some(TAG), &mut token)?;
+            token[0] += 1;
+            world.send(next, TAG, &token)?;
         }
     }
+    let token = token[0];
     if r == 0 {
         let expect = laps * p as u64;
         if token != expect {

@@ -91,17 +91,28 @@ fn take_flag() -> Waking {
 /// pass through the mailbox's lock. A blocking receive's whole path from the arrival
 /// of its message to its return is then the transport's work and the matching; the
 /// future, its waker and the runtime context cost about a third as much again.
+///
+/// With `into`, the receive lends that memory
+/// ([`Mailbox::post_here_into`](ductile_transport::Mailbox::post_here_into)): a payload
+/// of its length delivered on this thread may be copied straight into it, and the
+/// answer then says so (`true`, with an empty payload in the envelope).
 /// Returns `None` if `timeout` passes first (the receive is withdrawn, losing nothing).
 pub(crate) fn recv_here(
     ep: &Endpoint,
     pattern: Pattern,
     spin: Duration,
     timeout: Duration,
-) -> Option<Result<Envelope, TransportError>> {
+    into: Option<&mut [u8]>,
+) -> Option<Result<(Envelope, bool), TransportError>> {
     let (flag, waker) = take_flag();
-    let out = match ep.mailbox().post_here(pattern, &waker) {
+    let posted = match into {
+        // SAFETY: the wait is dropped below, on every path, before `into`'s borrow ends.
+        Some(dest) => unsafe { ep.mailbox().post_here_into(pattern, &waker, dest) },
+        None => ep.mailbox().post_here(pattern, &waker),
+    };
+    let out = match posted {
         Err(e) => Some(Err(e)),
-        Ok(Ok(env)) => Some(Ok(env)),
+        Ok(Ok(env)) => Some(Ok((env, false))),
         Ok(Err(mut here)) => ep.blocking_call(|| {
             let mut cx = Context::from_waker(&waker);
             let mut deadline = Deadline::new(timeout);
@@ -110,7 +121,7 @@ pub(crate) fn recv_here(
                 // meanwhile on another thread has set the flag.
                 let waited = wait(&flag, spin, &mut deadline, ep, || here.arrived());
                 if let Poll::Ready(r) = here.poll(&mut cx) {
-                    break Some(r);
+                    break Some(r.map(|env| (env, here.landed())));
                 }
                 // The answer may have come just as the deadline passed: it was taken
                 // above rather than put back.

@@ -132,13 +132,14 @@ impl AsyncGroup {
 
     /// A received message's payload and status.
     fn status(&self, env: Envelope) -> Result<(Bytes, Status)> {
-        let source = *self
-            .core
-            .index
-            .get(&env.src)
-            .ok_or_else(|| Error::Invalid(format!("message from non-member {}", env.src)))?;
+        let source = self.source(env.src)?;
         let len = env.payload.len();
         Ok((env.payload, Status { source, tag: env.tag.0, len }))
+    }
+
+    /// The group rank of the sender of a received message.
+    fn source(&self, src: Rank) -> Result<usize> {
+        self.core.index.get(&src).copied().ok_or_else(|| Error::Invalid(format!("message from non-member {src}")))
     }
 
     /// Receives raw bytes by pattern, including runtime tags.
@@ -154,21 +155,34 @@ impl AsyncGroup {
     }
 
     /// Receives an application message on this thread, without a future (see
-    /// [`crate::blocking::recv_here`]): the blocking receive's path.
-    fn recv_here(&self, src: Option<usize>, tag: Option<u32>, spin: Duration) -> Result<(Bytes, Status)> {
+    /// [`crate::blocking::recv_here`]): the blocking receive's path. With `into`, a
+    /// payload of its length may land there directly: the answer is then `None`.
+    fn recv_here(
+        &self,
+        src: Option<usize>,
+        tag: Option<u32>,
+        spin: Duration,
+        into: Option<&mut [u8]>,
+    ) -> Result<(Option<Bytes>, Status)> {
         let tag = match tag {
             Some(t) => TagMatch::Tag(Self::user_tag(t)?),
             None => TagMatch::Any,
         };
         let pattern = self.pattern(src, tag)?;
         let core = &self.core;
-        match crate::blocking::recv_here(&core.endpoint, pattern, spin, core.timeout) {
-            // From the source asked for: no need to look its group rank up.
-            Some(Ok(env)) if src.is_some() => {
-                let st = Status { source: src.unwrap_or_default(), tag: env.tag.0, len: env.payload.len() };
-                Ok((env.payload, st))
+        let lent = into.as_ref().map_or(0, |b| b.len());
+        match crate::blocking::recv_here(&core.endpoint, pattern, spin, core.timeout, into) {
+            Some(Ok((env, landed))) => {
+                let source = match src {
+                    // From the source asked for: no need to look its group rank up.
+                    Some(s) => s,
+                    None => self.source(env.src)?,
+                };
+                let len = if landed { lent } else { env.payload.len() };
+                let st = Status { source, tag: env.tag.0, len };
+                Ok(((!landed).then_some(env.payload), st))
             }
-            Some(env) => self.status(env?),
+            Some(Err(e)) => Err(e.into()),
             None => Err(TransportError::Timeout { what: describe(&pattern), after: core.timeout }.into()),
         }
     }
@@ -553,8 +567,12 @@ impl Group {
     /// # Errors
     /// As [`Group::recv`], or a length mismatch.
     pub fn recv_into<T: Pod>(&self, src: Option<usize>, tag: Option<u32>, out: &mut [T]) -> Result<Status> {
-        let (b, st) = self.recv_bytes(src, tag)?;
-        pod::bytes_into(&b, out, st.source, "recv_into")?;
+        // A payload of `out`'s size may be copied straight into it by the transport
+        // (no buffer of its own); any other comes as bytes, checked here.
+        let (b, st) = self.inner.recv_here(src, tag, self.spin, Some(bytemuck::cast_slice_mut::<T, u8>(out)))?;
+        if let Some(b) = b {
+            pod::bytes_into(&b, out, st.source, "recv_into")?;
+        }
         Ok(st)
     }
 
@@ -565,7 +583,8 @@ impl Group {
     /// # Errors
     /// As [`Group::recv`].
     pub fn recv_bytes(&self, src: Option<usize>, tag: Option<u32>) -> Result<(Bytes, Status)> {
-        self.inner.recv_here(src, tag, self.spin)
+        let (b, st) = self.inner.recv_here(src, tag, self.spin, None)?;
+        Ok((b.unwrap_or_default(), st))
     }
 
     /// Receives a serde value.

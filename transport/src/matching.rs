@@ -248,9 +248,35 @@ impl Mailbox {
     }
 
     /// Delivers an arriving message.
-    pub fn deliver(&self, mut env: Envelope) {
+    pub fn deliver(&self, env: Envelope) {
+        self.deliver_from(self.lock(), 0, env);
+    }
+
+    /// Delivers an arriving message whose payload the caller only lends: a receive this
+    /// thread waits for with memory of the payload's length ([`Mailbox::post_here_into`])
+    /// gets it copied there; otherwise the payload is copied into a buffer of its own and
+    /// delivered as [`Mailbox::deliver`] does.
+    pub fn deliver_slice(&self, src: Rank, ctx: Context, tag: Tag, payload: &[u8]) {
         let mut st = self.lock();
-        let mut i = 0;
+        let first = st.posted.iter().position(|p| p.pattern.matches(src, ctx, tag));
+        if let Some(i) = first {
+            if matches!(st.posted[i].reply, Reply::Here(_))
+                && here::land(self, st.posted[i].id, (src, ctx, tag), payload)
+            {
+                st.posted.remove(i);
+                return;
+            }
+        }
+        let env = Envelope { src, ctx, tag, payload: Bytes::copy_from_slice(payload) };
+        match first {
+            Some(i) => self.deliver_from(st, i, env),
+            None => st.unexpected.push_back(env),
+        }
+    }
+
+    /// Delivers `env` to the oldest matching posting at or after `i` (none before it
+    /// matches), or queues it.
+    fn deliver_from(&self, mut st: std::sync::MutexGuard<'_, State>, mut i: usize, mut env: Envelope) {
         while i < st.posted.len() {
             if st.posted[i].pattern.matches(env.src, env.ctx, env.tag) {
                 // Index is in range: checked by the loop condition.

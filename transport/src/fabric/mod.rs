@@ -86,6 +86,8 @@ const RECV_BUF: usize = 64 * 1024 + 512;
 const CHUNK: usize = 8 << 20;
 /// Smallest provider message size the backend works with (control messages must fit).
 const MIN_MSG: usize = 4096;
+/// The next endpoint's [`Inner::id`].
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 /// Prefix of the text form of an address.
 const ADDR_PREFIX: &str = "ofi:";
 
@@ -168,8 +170,11 @@ impl FabricTransport {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| bind_err(e.to_string()))?;
         let recv = ofi::RecvSlots::new(bufs, wire::TAG);
+        let sessions = session::Sessions::new(setup.identity.clone());
         let inner = Arc::new(Inner {
-            sessions: Mutex::new(session::Sessions::new(setup.identity.clone())),
+            generation: sessions.generation(),
+            sessions: Mutex::new(sessions),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             me: setup.identity,
             mailbox: setup.mailbox,
             eager,

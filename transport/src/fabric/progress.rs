@@ -39,6 +39,24 @@ const SPIN: u32 = 64;
 /// Completions read at once.
 const BATCH: usize = 32;
 
+/// Senders a thread remembers (see [`Inner::sender`]), one entry per token's residue.
+const SENDERS: usize = 4;
+
+/// A token a thread looked up: whose it is, as of a generation of the tokens.
+struct Remembered {
+    /// The endpoint's [`Inner::id`] (a thread may serve several endpoints).
+    endpoint: u64,
+    token: u64,
+    generation: u64,
+    rank: crate::ids::Rank,
+    fresh: Arc<std::sync::atomic::AtomicBool>,
+}
+
+thread_local! {
+    static SENDER_CACHE: std::cell::RefCell<[Option<Remembered>; SENDERS]> =
+        const { std::cell::RefCell::new([None, None, None, None]) };
+}
+
 impl Inner {
     /// Reads what the completion queue has and acts on it, and retries the backlog.
     /// True if anything completed.
@@ -191,14 +209,38 @@ impl Inner {
                     self.mailbox.peer_connected(rank);
                 }
             }
-            kind => {
-                let rank = lock(&self.sessions).heard(token);
-                match rank {
-                    Some(rank) => self.dispatch(rank, msg, body),
-                    None => tracing::warn!("{me}: dropped a {kind:?} message from an unauthenticated endpoint"),
-                }
-            }
+            kind => match self.sender(token) {
+                Some(rank) => self.dispatch(rank, msg, body),
+                None => tracing::warn!("{me}: dropped a {kind:?} message from an unauthenticated endpoint"),
+            },
         }
+    }
+
+    /// The sender of a message carrying `token`, if the token is one we accept; as
+    /// [`super::session::Sessions::hear`], but a thread answers a token it recently
+    /// looked up from what it remembers, without the sessions lock, while the tokens
+    /// have not changed since (their generation has not moved). (Fabric shm, 8 B
+    /// one-way, one build, alternating jobs: 787 ns, against 844 ns with every lookup
+    /// under the lock; medians of 20.)
+    fn sender(&self, token: u64) -> Option<crate::ids::Rank> {
+        // Tokens are MACs: their low bits spread evenly over the entries.
+        let i = (token as usize) % SENDERS;
+        let generation = self.generation.load(Ordering::Acquire);
+        let hit = SENDER_CACHE.with_borrow(|c| match &c[i] {
+            Some(e) if e.endpoint == self.id && e.token == token && e.generation == generation => {
+                super::session::mark(&e.fresh);
+                Some(e.rank)
+            }
+            _ => None,
+        });
+        if hit.is_some() {
+            return hit;
+        }
+        let heard = lock(&self.sessions).hear(token)?;
+        let rank = heard.rank;
+        let entry = Remembered { endpoint: self.id, token, generation: heard.generation, rank, fresh: heard.fresh };
+        SENDER_CACHE.with_borrow_mut(|c| c[i] = Some(entry));
+        Some(rank)
     }
 
     fn hello(&self, msg: &Msg, now: Instant) {
@@ -243,8 +285,7 @@ impl Inner {
         let arrive = |head, item| self.arrive(rank, head, Some(item), false);
         match msg {
             Msg::Data { head, ctx, tag } => {
-                let payload = Bytes::copy_from_slice(body.get(DATA_HEADER..).unwrap_or_default());
-                self.arrive_data(rank, head, ctx, tag, payload);
+                self.arrive_data(rank, head, ctx, tag, body.get(DATA_HEADER..).unwrap_or_default());
             }
             Msg::Rts { head, ctx, tag, len, id, region } => self.rendezvous(rank, (head, ctx, tag, len, id), &region),
             Msg::Bye { head } => arrive(head, Item::Bye),

@@ -40,6 +40,10 @@ pub(super) struct Inner {
     pub(super) ops: Ops,
     pub(super) transfers: Transfers,
     pub(super) sessions: Mutex<Sessions>,
+    /// The sessions' token generation (see [`Sessions::generation`]).
+    pub(super) generation: Arc<AtomicU64>,
+    /// Unique in the process: names this endpoint in per-thread memory.
+    pub(super) id: u64,
     /// Names inserted into the address vector, and their addresses.
     pub(super) names: Mutex<HashMap<Vec<u8>, u64>>,
     pub(super) streams: Mutex<Streams>,
@@ -253,16 +257,19 @@ impl Inner {
         self.arrive_locked(lock(&self.streams), rank, head, item, filled);
     }
 
-    /// A data message arrived whole: delivered at once if it is the next of its stream
-    /// with nothing waiting before it (the common case: no queue, no item to move),
+    /// A data message arrived whole, its payload lent by its receive buffer: delivered
+    /// at once if it is the next of its stream with nothing waiting before it (the
+    /// common case: no queue, no item to move), into the memory of a receive waiting
+    /// for it on this thread if it lent some (see [`Mailbox::deliver_slice`]);
     /// otherwise as [`Inner::arrive`] does.
-    pub(super) fn arrive_data(&self, rank: Rank, head: Head, ctx: Context, tag: Tag, payload: Bytes) {
+    pub(super) fn arrive_data(&self, rank: Rank, head: Head, ctx: Context, tag: Tag, payload: &[u8]) {
         let mut streams = lock(&self.streams);
         if streams.take_next(rank, head) {
             // Under the streams lock, as in `arrive`.
-            self.mailbox.deliver(Envelope { src: rank, ctx, tag, payload });
+            self.mailbox.deliver_slice(rank, ctx, tag, payload);
             return;
         }
+        let payload = Bytes::copy_from_slice(payload);
         self.arrive_locked(streams, rank, head, Some(Item::Data { ctx, tag, payload }), false);
     }
 

@@ -9,11 +9,17 @@
 //! another application thread) is kept and its waker woken, as for any posted receive;
 //! so are failures (an ended peer, a closed mailbox).
 //!
+//! A receive into the caller's own memory ([`Mailbox::post_here_into`]) goes one step
+//! further: a backend that delivers a payload it only lends
+//! ([`Mailbox::deliver_slice`]) has it copied straight into that memory when its
+//! length is the memory's, with no buffer made for it.
+//!
 //! Matching is unchanged: the receive is an ordinary posting, matched in its turn under
 //! the lock. Only where its answer goes differs.
 
 use super::{Envelope, Mailbox};
 use crate::error::TransportError;
+use bytes::Bytes;
 use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
 use std::task::{Context as TaskContext, Poll, Waker};
@@ -24,32 +30,66 @@ type Key = (usize, u64);
 /// No receive (no mailbox is at address 0).
 const NONE: Key = (0, 0);
 
+/// The memory a receive of [`Mailbox::post_here_into`] lends: start and length (null
+/// for none).
+type Dest = (*mut u8, usize);
+
+const NO_DEST: Dest = (std::ptr::null_mut(), 0);
+
 thread_local! {
-    /// The receive this thread waits for.
-    static WAITING: Cell<Key> = const { Cell::new(NONE) };
-    /// A message this thread delivered to the receive it waits for, with that receive.
-    static ARRIVED: RefCell<Option<(Key, Envelope)>> = const { RefCell::new(None) };
+    /// The receive this thread waits for, and the memory it lends.
+    static WAITING: Cell<(Key, Dest)> = const { Cell::new((NONE, NO_DEST)) };
+    /// A message this thread delivered to the receive it waits for, with that receive,
+    /// and whether its payload was copied into the receive's memory instead (the
+    /// envelope's payload is then empty).
+    static ARRIVED: RefCell<Option<(Key, Envelope, bool)>> = const { RefCell::new(None) };
 }
 
 /// Takes `env` for receive `id` of `mailbox` (posted by [`Mailbox::post_here`]) if the
 /// calling thread is waiting for it; gives it back otherwise.
 pub(super) fn hand_over(mailbox: &Mailbox, id: u64, env: Envelope) -> Result<(), Envelope> {
     let key = (addr(mailbox), id);
-    if WAITING.get() != key {
+    if WAITING.get().0 != key {
         return Err(env);
     }
-    ARRIVED.set(Some((key, env)));
+    ARRIVED.set(Some((key, env, false)));
     Ok(())
+}
+
+/// Copies `payload` into the memory of receive `id` of `mailbox` if the calling thread
+/// waits for it, it lent memory, and the payload fills it exactly; true if it did (the
+/// receive is then answered).
+pub(super) fn land(
+    mailbox: &Mailbox,
+    id: u64,
+    head: (crate::ids::Rank, crate::ids::Context, crate::ids::Tag),
+    payload: &[u8],
+) -> bool {
+    let key = (addr(mailbox), id);
+    let (waiting, (ptr, len)) = WAITING.get();
+    if waiting != key || ptr.is_null() || len != payload.len() {
+        return false;
+    }
+    // SAFETY: `ptr`/`len` are the memory lent by the `WaitHere` of receive `key`, which
+    // is alive: it is this thread's current wait (a wait puts the outer one back when
+    // it ends, and `post_here_into`'s caller promised not to leak it), and it holds the
+    // memory's exclusive borrow for its whole life; nothing else on this thread uses
+    // the memory meanwhile, and no other thread sees this thread's `WAITING`.
+    unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), ptr, len) };
+    let (src, ctx, tag) = head;
+    ARRIVED.set(Some((key, Envelope { src, ctx, tag, payload: Bytes::new() }, true)));
+    true
 }
 
 fn addr(mailbox: &Mailbox) -> usize {
     std::ptr::from_ref(mailbox) as usize
 }
 
-/// The message handed over to receive `key`, if there is one.
-fn take_arrived(key: Key) -> Option<Envelope> {
+/// The message handed over to receive `key`, if there is one, and whether it was
+/// copied into the receive's memory.
+fn take_arrived(key: Key) -> Option<(Envelope, bool)> {
     ARRIVED.with_borrow_mut(|a| match a.take() {
-        Some((k, env)) if k == key => Some(env),
+        Some((k, env, landed)) if k == key => Some((env, landed)),
         // Only a wait leaked with `mem::forget` leaves another receive's message (its
         // receive is never collected); it is dropped.
         _ => None,
@@ -66,11 +106,15 @@ fn take_arrived(key: Key) -> Option<Envelope> {
 pub struct WaitHere<'a> {
     mailbox: &'a Mailbox,
     id: u64,
+    /// The memory lent ([`Mailbox::post_here_into`]), or none.
+    dest: Dest,
     /// The receive an outer wait of this thread waits for (a blocking call nested in
-    /// another's future), restored when this one ends.
-    outer: Key,
+    /// another's future) and its memory, restored when this one ends.
+    outer: (Key, Dest),
     done: bool,
-    _here: PhantomData<*const ()>,
+    /// Whether the message [`WaitHere::poll`] returned was copied into the memory.
+    landed: bool,
+    _here: PhantomData<(*const (), &'a mut [u8])>,
 }
 
 impl Mailbox {
@@ -85,6 +129,34 @@ impl Mailbox {
         pattern: super::Pattern,
         waker: &Waker,
     ) -> Result<Result<Envelope, WaitHere<'_>>, TransportError> {
+        self.post_waiting(pattern, waker, NO_DEST)
+    }
+
+    /// As [`Mailbox::post_here`], lending `dest`: a payload of exactly its length that
+    /// this thread delivers with [`Mailbox::deliver_slice`] is copied into it (see
+    /// [`WaitHere::landed`]); any other answer comes as an envelope.
+    ///
+    /// # Safety
+    /// The returned wait must be dropped, not leaked (`mem::forget`): until then this
+    /// thread may write into `dest`.
+    ///
+    /// # Errors
+    /// As [`Mailbox::post`].
+    pub unsafe fn post_here_into<'a>(
+        &'a self,
+        pattern: super::Pattern,
+        waker: &Waker,
+        dest: &'a mut [u8],
+    ) -> Result<Result<Envelope, WaitHere<'a>>, TransportError> {
+        self.post_waiting(pattern, waker, (dest.as_mut_ptr(), dest.len()))
+    }
+
+    fn post_waiting(
+        &self,
+        pattern: super::Pattern,
+        waker: &Waker,
+        dest: Dest,
+    ) -> Result<Result<Envelope, WaitHere<'_>>, TransportError> {
         let id = {
             let mut st = self.lock();
             if let Some(env) = st.take_queued(&pattern)? {
@@ -92,8 +164,8 @@ impl Mailbox {
             }
             st.push(pattern, super::Reply::Here(waker.clone()))
         };
-        let outer = WAITING.replace((addr(self), id));
-        Ok(Err(WaitHere { mailbox: self, id, outer, done: false, _here: PhantomData }))
+        let outer = WAITING.replace(((addr(self), id), dest));
+        Ok(Err(WaitHere { mailbox: self, id, dest, outer, done: false, landed: false, _here: PhantomData }))
     }
 }
 
@@ -101,7 +173,14 @@ impl WaitHere<'_> {
     /// Whether this thread delivered the message (checked without the mailbox's lock).
     #[must_use]
     pub fn arrived(&self) -> bool {
-        ARRIVED.with_borrow(|a| a.as_ref().is_some_and(|(k, _)| *k == self.key()))
+        ARRIVED.with_borrow(|a| a.as_ref().is_some_and(|(k, _, _)| *k == self.key()))
+    }
+
+    /// Whether the message the last [`WaitHere::poll`] returned was copied into the
+    /// memory the receive lent (its envelope's payload is then empty).
+    #[must_use]
+    pub fn landed(&self) -> bool {
+        self.landed
     }
 
     fn key(&self) -> Key {
@@ -115,7 +194,10 @@ impl WaitHere<'_> {
             return Poll::Ready(Err(TransportError::Closed));
         }
         let r = match take_arrived(self.key()) {
-            Some(env) => Ok(env),
+            Some((env, landed)) => {
+                self.landed = landed;
+                Ok(env)
+            }
             None => match self.mailbox.poll_posted(self.id, cx) {
                 Poll::Ready(r) => r,
                 Poll::Pending => return Poll::Pending,
@@ -132,7 +214,18 @@ impl Drop for WaitHere<'_> {
         if self.done {
             return;
         }
-        let env = take_arrived(self.key()).or_else(|| self.mailbox.withdraw(self.id));
+        let env = match take_arrived(self.key()) {
+            Some((mut env, landed)) => {
+                if landed {
+                    // SAFETY: the memory this wait lent, still borrowed by it; the copy
+                    // above filled all of it.
+                    env.payload =
+                        Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(self.dest.0, self.dest.1) });
+                }
+                Some(env)
+            }
+            None => self.mailbox.withdraw(self.id),
+        };
         if let Some(env) = env {
             self.mailbox.give_back(env);
         }
@@ -274,5 +367,86 @@ mod tests {
         let id = posted(m.post(pat(Some(3), None)).unwrap());
         m.deliver(env(3, 1, b"plain"));
         assert_eq!(answer(&m, id).unwrap().unwrap().payload, &b"plain"[..]);
+    }
+
+    fn deliver_slice(m: &Mailbox, src: u32, tag: u32, body: &[u8]) {
+        m.deliver_slice(crate::ids::Rank(src), crate::ids::Context(0), crate::ids::Tag(tag), body);
+    }
+
+    #[test]
+    fn a_lent_payload_of_the_right_length_lands_in_the_receivers_memory() {
+        let m = Mailbox::new();
+        let (count, waker) = counter();
+        let mut buf = [0u8; 4];
+        // SAFETY: `w` is dropped before `buf` is read.
+        let Ok(Err(mut w)) = (unsafe { m.post_here_into(pat(Some(1), None), &waker, &mut buf) }) else {
+            panic!("expected a posted receive")
+        };
+        deliver_slice(&m, 1, 7, b"land");
+        assert!(w.arrived());
+        let Poll::Ready(Ok(e)) = w.poll(&mut noop()) else { panic!("expected the message") };
+        assert!(w.landed() && e.payload.is_empty());
+        assert_eq!((e.src, e.tag), (crate::ids::Rank(1), crate::ids::Tag(7)));
+        drop(w);
+        assert_eq!(&buf, b"land");
+        assert_eq!(count.0.load(Ordering::SeqCst), 0);
+        assert!(m.lock().kept.is_empty() && m.lock().posted.is_empty() && m.queued() == 0);
+    }
+
+    #[test]
+    fn a_lent_payload_of_another_length_or_from_elsewhere_comes_as_bytes() {
+        let m = Arc::new(Mailbox::new());
+        let (count, waker) = counter();
+        let mut buf = [0u8; 4];
+        // SAFETY: every wait below is dropped before `buf` is read.
+        let Ok(Err(mut w)) = (unsafe { m.post_here_into(pat(Some(1), None), &waker, &mut buf) }) else {
+            panic!("expected a posted receive")
+        };
+        deliver_slice(&m, 1, 1, b"longer");
+        let Poll::Ready(Ok(e)) = w.poll(&mut noop()) else { panic!("expected the message") };
+        assert!(!w.landed());
+        assert_eq!(e.payload, &b"longer"[..]);
+        drop(w);
+        // SAFETY: as above.
+        let Ok(Err(mut w)) = (unsafe { m.post_here_into(pat(Some(1), None), &waker, &mut buf) }) else {
+            panic!("expected a posted receive")
+        };
+        let other = m.clone();
+        std::thread::spawn(move || deliver_slice(&other, 1, 1, b"away")).join().unwrap();
+        assert!(!w.arrived());
+        assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        let Poll::Ready(Ok(e)) = w.poll(&mut noop()) else { panic!("expected the message") };
+        assert!(!w.landed());
+        assert_eq!(e.payload, &b"away"[..]);
+        drop(w);
+        assert_eq!(buf, [0; 4], "nothing was written into the memory");
+        // With no receive posted, a lent payload is queued as a copy.
+        deliver_slice(&m, 1, 1, b"late");
+        let Ok(Ok(e)) = m.post_here(pat(Some(1), None), &waker) else { panic!("expected the queued message") };
+        assert_eq!(e.payload, &b"late"[..]);
+    }
+
+    #[test]
+    fn a_lent_payload_goes_to_an_older_receive_first_and_a_withdrawn_one_is_given_back() {
+        let m = Mailbox::new();
+        let (_, waker) = counter();
+        let older = posted(m.post(pat(Some(1), Some(4))).unwrap());
+        let mut buf = [0u8; 5];
+        // SAFETY: `w` is dropped before `buf` is read.
+        let Ok(Err(w)) = (unsafe { m.post_here_into(pat(Some(1), None), &waker, &mut buf) }) else {
+            panic!("expected a posted receive")
+        };
+        deliver_slice(&m, 1, 4, b"first");
+        assert!(!w.arrived());
+        deliver_slice(&m, 1, 4, b"secnd");
+        assert!(w.arrived());
+        deliver_slice(&m, 1, 4, b"third");
+        assert_eq!(answer(&m, older).unwrap().unwrap().payload, &b"first"[..]);
+        // Landed but never collected: the wait gives the message back, ahead of later ones.
+        drop(w);
+        for want in [&b"secnd"[..], b"third"] {
+            let Ok(Ok(e)) = m.post_here(pat(Some(1), None), &waker) else { panic!("expected a queued message") };
+            assert_eq!(e.payload, want);
+        }
     }
 }

@@ -156,3 +156,38 @@ fn silence_leads_to_pings_then_loss_and_stale_handshakes_expire() {
     assert!(expired.unused.is_empty());
     assert!(matches!(d2.dial(Rank(0), b"d-name", || later(2000)).unwrap(), Dial::Start(..)), "the stale dial is gone");
 }
+
+#[test]
+fn a_remembered_sender_keeps_its_peer_alive_until_the_tokens_change() {
+    let t0 = Instant::now();
+    let (mut d, mut l) = pair(3, 3);
+    let generation = d.generation();
+    let (hello, _rx) = start(&mut d, t0);
+    let challenge = l.on_hello(10, false, &hello, t0).unwrap();
+    let before = generation.load(Ordering::Acquire);
+    // The dialer accepts the listener's token once the listener's MAC verifies.
+    let (_, proof) = d.on_challenge(&challenge, t0).unwrap();
+    let accepted = generation.load(Ordering::Acquire);
+    assert_ne!(before, accepted, "accepting a token moves the generation");
+    let (_, _, accept) = l.on_proof(&proof, t0).unwrap().unwrap();
+    d.on_accept(&accept).unwrap();
+    let token = l.to(Rank(1)).unwrap().token;
+    let heard = d.hear(token).unwrap();
+    assert_eq!((heard.rank, heard.generation), (Rank(0), accepted));
+    assert!(d.hear(token ^ 1).is_none(), "a guessed token names nobody");
+    // Hearing through the remembered flag, without the sessions, defers the ping and
+    // the loss as a looked-up message does.
+    let later = |ms: u128| t0 + Duration::from_millis(ms as u64);
+    heard.fresh.store(false, Ordering::Relaxed);
+    mark(&heard.fresh);
+    let at = PING_AFTER.as_millis() + 1;
+    assert!(d.tick(later(at), Duration::from_secs(60)).ping.is_empty(), "heard before this tick");
+    assert!(!heard.fresh.load(Ordering::Relaxed), "the tick took the mark");
+    assert_eq!(d.tick(later(2 * at), Duration::from_secs(60)).ping.len(), 1, "silent since");
+    mark(&heard.fresh);
+    assert!(d.tick(later(LOST_AFTER.as_millis() + at), Duration::from_secs(60)).lost.is_empty());
+    // Forgetting the peer moves the generation: the remembered answer no longer holds.
+    d.forget(Rank(0));
+    assert_ne!(generation.load(Ordering::Acquire), heard.generation);
+    assert!(d.hear(token).is_none());
+}
