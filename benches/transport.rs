@@ -78,18 +78,19 @@ fn rank_main(mode: &str, iters: u64, size: usize) -> anyhow::Result<()> {
         }
     }
     let buf = Bytes::from(vec![1u8; size]);
-    // The ping-pong receives into memory of its own (`recv_into`, as `MPI_Recv` and
-    // `fi_pingpong` do); DUCTILE_BENCH_RECV=bytes times `recv_bytes` instead.
-    let into = std::env::var("DUCTILE_BENCH_RECV").map_or(true, |v| v != "bytes");
+    // The ping-pong sends from and receives into memory of its own (`send`,
+    // `recv_into`), as `MPI_Send`/`MPI_Recv` and `fi_pingpong` do;
+    // DUCTILE_BENCH_MSG=bytes times `send_bytes`/`recv_bytes` instead.
+    let slices = std::env::var("DUCTILE_BENCH_MSG").map_or(true, |v| v != "bytes");
     let mut got = vec![0u8; size];
     let mut round_trip = |n: u64| -> anyhow::Result<()> {
         for _ in 0..n {
             if me == 0 {
-                w.send_bytes(other, TAG, buf.clone())?;
-                receive(w, other, into.then_some(&mut got[..]))?;
+                ping(w, other, &buf, slices)?;
+                pong(w, other, slices.then_some(&mut got[..]))?;
             } else {
-                receive(w, other, into.then_some(&mut got[..]))?;
-                w.send_bytes(other, TAG, buf.clone())?;
+                pong(w, other, slices.then_some(&mut got[..]))?;
+                ping(w, other, &buf, slices)?;
             }
         }
         Ok(())
@@ -151,8 +152,19 @@ fn rank_main(mode: &str, iters: u64, size: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One message of the ping-pong from `other`: into `got` if given, else as bytes.
-fn receive(w: &ductile::Group, other: usize, got: Option<&mut [u8]>) -> anyhow::Result<()> {
+/// Sends one message of the ping-pong to `other`: from the slice, or as shared bytes.
+fn ping(w: &ductile::Group, other: usize, buf: &Bytes, slice: bool) -> anyhow::Result<()> {
+    if slice {
+        w.send(other, TAG, &buf[..])?;
+    } else {
+        w.send_bytes(other, TAG, buf.clone())?;
+    }
+    Ok(())
+}
+
+/// Receives one message of the ping-pong from `other`: into `got` if given, else as
+/// bytes.
+fn pong(w: &ductile::Group, other: usize, got: Option<&mut [u8]>) -> anyhow::Result<()> {
     match got {
         Some(got) => drop(w.recv_into(Some(other), Some(TAG), got)?),
         None => drop(w.recv_bytes(Some(other), Some(TAG))?),
