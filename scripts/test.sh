@@ -49,5 +49,10 @@ echo "== build (binaries, examples, tests)"
 cargo build --workspace --all-targets --locked "${FEATURES[@]}"
 echo "== tests"
 cargo test --workspace --locked "${FEATURES[@]}"
+# Over shm, large messages go as bulk payloads only when they fan out (see the fabric
+# backend's `Bulk`); the conformance suite's pairs read them. Its second pass sends
+# every large message as bulk, on both providers where possible.
+echo "== conformance suite, every large fabric message as a bulk payload"
+DUCTILE_FABRIC_BULK=always cargo test -p ductile-transport --locked "${FEATURES[@]}" --test conformance fabric
 echo "== benches compile"
 cargo bench --workspace --locked --no-run "${FEATURES[@]}"

@@ -1,6 +1,6 @@
 //! Every example over every transport this build has: `ductile run --transport tcp|quic|
 //! fabric` (fabric with the `tcp;ofi_rxm` and `shm` providers), including resizes of
-//! the malleable jacobi and registered data moved by one-sided reads.
+//! the malleable jacobi and registered data moved by every redistribution executor.
 
 mod common;
 
@@ -63,8 +63,13 @@ fn jacobi_resizes_and_rma_redistribution_over_every_transport() {
     for t in transports() {
         let out = job(&t, &resizes, "jacobi", &jacobi, "t-jacobi.json");
         assert_eq!(checksum(&out), rigid, "{t:?}: {out}");
-        let opts = ["--nodes", "1", "--max-nodes", "8", "--policy", "steps:3,8,2,1", "--redistribution", "rma"];
-        let out = job(&t, &opts, "redist", &["--changes", "4", "--large", "300000"], "t-redist.json");
-        assert!(out.contains("redist: 4 changes by rma, every element intact"), "{t:?}: {out}");
+        // Every executor: over fabric shm, p2p's and the collective's large messages go
+        // as bulk payloads, rma's gets as reads.
+        for method in ["rma", "p2p", "collective"] {
+            let opts = ["--nodes", "1", "--max-nodes", "8", "--policy", "steps:3,8,2,1", "--redistribution", method];
+            let out = job(&t, &opts, "redist", &["--changes", "4", "--large", "300000"], "t-redist.json");
+            let want = format!("redist: 4 changes by {method}, every element intact");
+            assert!(out.contains(&want), "{t:?}: {out}");
+        }
     }
 }

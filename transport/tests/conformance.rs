@@ -97,6 +97,42 @@ async fn sizes_from_zero_to_256_mib_arrive_intact(b: Backend) {
     close_all(&eps).await;
 }
 
+async fn large_messages_fanning_out_to_several_peers_arrive_intact(b: Backend) {
+    // One sender, three receivers, two large messages each, all in flight at once (over
+    // fabric shm these go as bulk payloads); one of them received in place.
+    let eps = b.job(4, 1);
+    // Connected first, so that the large messages leave together.
+    for r in 1..4u32 {
+        eps[0].send(Rank(r), Context(0), Tag(3), Bytes::from_static(b"hi")).await.unwrap();
+        assert_eq!(eps[r as usize].recv(from(0, 3), T).await.unwrap().payload, &b"hi"[..]);
+    }
+    let n = 3 << 20;
+    let landing = Landing::new(vec![0; n / 8], n).unwrap();
+    let into = eps[3].post_into(from(0, 1), landing.part(0..n).unwrap()).unwrap();
+    let mut sends = Vec::new();
+    for r in 1..4u32 {
+        for k in 0..2u32 {
+            let ep = eps[0].clone();
+            let msg = body(n + k as usize, 10 * r + k);
+            sends.push(tokio::spawn(async move { ep.send(Rank(r), Context(0), Tag(k + 1), msg).await }));
+        }
+    }
+    let mut recvs = Vec::new();
+    for (r, k) in [(1u32, 0u32), (1, 1), (2, 0), (2, 1), (3, 1)] {
+        let ep = eps[r as usize].clone();
+        recvs.push(tokio::spawn(async move { (r, k, ep.recv(from(0, k + 1), T).await) }));
+    }
+    for s in sends {
+        s.await.unwrap().unwrap();
+    }
+    for h in recvs {
+        let (r, k, e) = h.await.unwrap();
+        check(&e.unwrap().payload, n + k as usize, 10 * r + k);
+    }
+    check(into.await.unwrap().part.as_slice(), n, 30);
+    close_all(&eps).await;
+}
+
 async fn order_holds_per_source_and_tag(b: Backend) {
     let eps = b.job(3, 1);
     // Two sources, two tags each, interleaved; receives by (source, tag) see each
@@ -361,6 +397,7 @@ macro_rules! conformance {
             }
 
             case!(sizes_from_zero_to_256_mib_arrive_intact);
+            case!(large_messages_fanning_out_to_several_peers_arrive_intact);
             case!(order_holds_per_source_and_tag);
             case!(wildcards_contexts_and_self_sends_match);
             case!(a_timeout_names_the_peer_and_loses_nothing);

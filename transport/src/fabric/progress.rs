@@ -39,6 +39,14 @@ const SPIN: u32 = 64;
 /// Completions read at once.
 const BATCH: usize = 32;
 
+/// How a rendezvous message's payload comes.
+enum Fill<'a> {
+    /// Read from the sender's registered region.
+    Read(&'a super::wire::Region),
+    /// Received as the sender's bulk chunks, tagged from its session `token`.
+    Bulk { token: u64, chunk: u64 },
+}
+
 /// Senders a thread remembers (see [`Inner::sender`]), one entry per token's residue.
 const SENDERS: usize = 4;
 
@@ -130,6 +138,11 @@ impl Inner {
                 drop(dest);
                 self.chunk_done(transfer, Err(why));
             }
+            // Its receiver waits for this chunk.
+            Op::Bulk { peer, .. } if !self.shutdown.load(Ordering::Acquire) => {
+                self.peer_ended(peer, PeerEnd::Lost, &format!("a bulk send to it failed: {why}"));
+            }
+            Op::Bulk { .. } => tracing::debug!("{}: a bulk send failed: {why}", self.me.rank),
         }
     }
 
@@ -163,6 +176,10 @@ impl Inner {
                 // The transfer takes its buffer back once no read holds it.
                 drop(dest);
                 self.chunk_done(transfer, Ok(()));
+            }
+            Op::Bulk { peer, id, data } => {
+                drop(data);
+                self.bulk_chunk_sent(peer, id);
             }
         }
     }
@@ -210,7 +227,7 @@ impl Inner {
                 }
             }
             kind => match self.sender(token) {
-                Some(rank) => self.dispatch(rank, msg, body),
+                Some(rank) => self.dispatch(rank, token, msg, body),
                 None => tracing::warn!("{me}: dropped a {kind:?} message from an unauthenticated endpoint"),
             },
         }
@@ -281,13 +298,18 @@ impl Inner {
         }
     }
 
-    fn dispatch(&self, rank: crate::ids::Rank, msg: Msg, body: &[u8]) {
+    fn dispatch(&self, rank: crate::ids::Rank, token: u64, msg: Msg, body: &[u8]) {
         let arrive = |head, item| self.arrive(rank, head, Some(item), false);
         match msg {
             Msg::Data { head, ctx, tag } => {
                 self.arrive_data(rank, head, ctx, tag, body.get(DATA_HEADER..).unwrap_or_default());
             }
-            Msg::Rts { head, ctx, tag, len, id, region } => self.rendezvous(rank, (head, ctx, tag, len, id), &region),
+            Msg::Rts { head, ctx, tag, len, id, region } => {
+                self.rendezvous(rank, (head, ctx, tag, len, id), Fill::Read(&region));
+            }
+            Msg::Bulk { head, ctx, tag, len, id, chunk } => {
+                self.rendezvous(rank, (head, ctx, tag, len, id), Fill::Bulk { token, chunk });
+            }
             Msg::Bye { head } => arrive(head, Item::Bye),
             Msg::Fin { id } => self.outgoing_done(rank, id),
             Msg::Release { req } => self.released(rank, req),
@@ -312,12 +334,13 @@ impl Inner {
         }
     }
 
-    /// A rendezvous announcement: take its place in the stream and read the payload.
+    /// A rendezvous or bulk announcement: take its place in the stream and read or
+    /// receive the payload.
     fn rendezvous(
         &self,
         rank: crate::ids::Rank,
         (head, ctx, tag, len, id): (super::wire::Head, crate::Context, crate::Tag, u64, u64),
-        region: &super::wire::Region,
+        fill: Fill<'_>,
     ) {
         let cap = self.cfg.get_max_payload();
         let Some(n) = usize::try_from(len).ok().filter(|_| len <= cap) else {
@@ -335,9 +358,12 @@ impl Inner {
             }
             claim
         };
-        let purpose = Purpose::Message { head, ctx, tag, id };
+        let bulk = matches!(fill, Fill::Bulk { .. });
+        let purpose = Purpose::Message { head, ctx, tag, id, fin: !bulk };
         if n == 0 {
-            self.reply(rank, &Msg::Fin { id });
+            if !bulk {
+                self.reply(rank, &Msg::Fin { id });
+            }
             if let Some(c) = claim {
                 self.mailbox.complete_claim(c);
                 return self.arrive(rank, head, Some(Item::Claimed), true);
@@ -345,9 +371,12 @@ impl Inner {
             return self.arrive(rank, head, Some(Item::Data { ctx, tag, payload: Bytes::new() }), true);
         }
         let mem = claim.map_or_else(|| ReadMem::new_buffer(n), ReadMem::Claim);
-        let read = match lock(&self.sessions).addr_of(rank) {
-            Some(src) => self.start_transfer(rank, src, region, 0, mem, purpose),
-            None => Err("no address".into()),
+        let read = match fill {
+            Fill::Read(region) => match lock(&self.sessions).addr_of(rank) {
+                Some(src) => self.start_transfer(rank, src, region, 0, mem, purpose),
+                None => Err("no address".into()),
+            },
+            Fill::Bulk { token, chunk } => self.start_bulk(rank, (token, id, chunk), mem, purpose),
         };
         if let Err(e) = read {
             self.peer_ended(rank, PeerEnd::Lost, &format!("cannot read its message: {e}"));

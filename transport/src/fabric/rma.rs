@@ -78,9 +78,13 @@ impl Leases {
 
 /// A rendezvous payload a peer is reading, registered.
 pub(super) struct Outgoing {
-    _remote: Remote,
+    /// The registration a reader reads (none for a bulk payload, whose chunks the
+    /// operations in flight hold).
+    _remote: Option<Remote>,
     /// The reader.
     pub(super) peer: Rank,
+    /// A bulk payload's chunks whose sends have not completed yet.
+    pub(super) chunks: usize,
 }
 
 /// Bytes of a descriptor as it passes through the `GetTable`.
@@ -176,8 +180,48 @@ impl Inner {
         let remote = self.register_remote(payload.clone())?;
         let region = remote.key().clone();
         let id = self.next_id();
-        lock(&self.outgoing).insert(id, Outgoing { _remote: remote, peer: dst });
+        lock(&self.outgoing).insert(id, Outgoing { _remote: Some(remote), peer: dst, chunks: 0 });
         Ok((id, region))
+    }
+
+    /// Sends bulk payload `id` to `dst` at `to`, in chunks of at most `self.chunk` bytes
+    /// as the provider's tagged messages (see [`super::wire::bulk_tag`]); it counts as
+    /// outgoing until every chunk's send completed. A chunk whose post fails is an
+    /// error: the caller ends the peer (its receiver would wait for that chunk).
+    pub(super) fn send_bulk(
+        &self,
+        dst: Rank,
+        to: super::session::To,
+        id: u64,
+        payload: &Bytes,
+    ) -> Result<(), TransportError> {
+        let chunks = payload.len().div_ceil(self.chunk);
+        if chunks == 0 {
+            return Ok(());
+        }
+        lock(&self.outgoing).insert(id, Outgoing { _remote: None, peer: dst, chunks });
+        let deadline = std::time::Instant::now() + self.cfg.get_connect_timeout();
+        for k in 0..chunks {
+            let range = k * self.chunk..payload.len().min((k + 1) * self.chunk);
+            let tag = super::wire::bulk_tag(to.token, id, k as u64);
+            let (ctx, post) = self.ops.add_bulk_send(dst, to.fi_addr, tag, id, payload.slice(range));
+            if let Err((op, e)) = self.ops.post(&self.ep, ctx, post, deadline) {
+                drop(op);
+                return Err(self.ofi_err(dst, format!("cannot send a bulk payload: {e}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// The send of one chunk of bulk payload `id` to `rank` completed.
+    pub(super) fn bulk_chunk_sent(&self, rank: Rank, id: u64) {
+        let mut out = lock(&self.outgoing);
+        if let Some(o) = out.get_mut(&id).filter(|o| o.peer == rank && o.chunks > 0) {
+            o.chunks -= 1;
+            if o.chunks == 0 {
+                out.remove(&id);
+            }
+        }
     }
 
     /// A reader is done with its lease of request `req`.
@@ -190,7 +234,7 @@ impl Inner {
     /// A reader finished with rendezvous payload `id`.
     pub(super) fn outgoing_done(&self, rank: Rank, id: u64) {
         let mut out = lock(&self.outgoing);
-        if out.get(&id).is_some_and(|o| o.peer == rank) {
+        if out.get(&id).is_some_and(|o| o.peer == rank && o.chunks == 0) {
             out.remove(&id);
         } else {
             tracing::warn!("{}: {rank} finished reading {id}, which it was not offered", self.me.rank);

@@ -1,4 +1,5 @@
-//! Reads of remote registered memory: rendezvous messages and gets.
+//! Reads of remote registered memory: rendezvous messages and gets; and the receives
+//! of bulk payloads, which fill their memory the same way.
 //!
 //! A transfer reads `len` bytes into a fresh buffer, a get's part of the reader's memory,
 //! or the part of a receive claimed for a rendezvous message (registered under
@@ -24,10 +25,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::oneshot;
 
+/// Most chunks a bulk payload may come in (a sender's chunks are its largest read,
+/// 8 MiB or the provider's message size).
+const MAX_BULK_CHUNKS: usize = 1 << 16;
+
 /// What a finished transfer is for.
 pub(super) enum Purpose {
-    /// A rendezvous message: its place in its stream and the sender's payload id.
-    Message { head: Head, ctx: Context, tag: Tag, id: u64 },
+    /// A rendezvous or bulk message: its place in its stream and the sender's payload
+    /// id; `fin`: tell the sender when done (a rendezvous payload's reader does).
+    Message { head: Head, ctx: Context, tag: Tag, id: u64, fin: bool },
     /// A get: its waiter, and the lease to release when done.
     Get { done: oneshot::Sender<Result<Got, TransportError>>, lease: u64 },
     /// Nobody waits any more.
@@ -42,6 +48,8 @@ struct Transfer {
     left: usize,
     error: Option<String>,
     peer: Rank,
+    /// Filled by tagged receives (a bulk payload): cancelled if its peer ends.
+    bulk: bool,
     purpose: Purpose,
 }
 
@@ -57,6 +65,11 @@ impl Transfers {
                 let _ = done.send(Err(err()));
             }
         }
+    }
+
+    /// The bulk receives from `peer` still in flight.
+    pub(super) fn bulk_from(&self, peer: Rank) -> Vec<u64> {
+        lock(&self.0).iter().filter(|(_, t)| t.bulk && t.peer == peer).map(|(id, _)| *id).collect()
     }
 
     /// Fails every get (the endpoint closes).
@@ -97,7 +110,7 @@ impl Inner {
         let mapped = mapped.then_some(key);
         let chunks = len.div_ceil(self.chunk);
         let id = self.next_id();
-        let t = Transfer { dest: dest.clone(), mapped, left: chunks, error: None, peer, purpose };
+        let t = Transfer { dest: dest.clone(), mapped, left: chunks, error: None, peer, bulk: false, purpose };
         // The reads are posted under the transfers lock, and our share of `dest` dropped
         // before it is released: a read that completes meanwhile waits for it, and then
         // finds the transfer holding the last share once all reads are done.
@@ -122,6 +135,55 @@ impl Inner {
         if let Some((unposted, e)) = failed {
             for _ in 0..unposted {
                 self.chunk_done(id, Err(e.clone()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Receives bulk payload `id` of `peer` (sent with session `token` in chunks of
+    /// `chunk` bytes) into `mem`: one exact tagged receive per chunk, posted as reads
+    /// are, and completed the same way.
+    pub(super) fn start_bulk(
+        &self,
+        peer: Rank,
+        (token, id, chunk): (u64, u64, u64),
+        mem: ReadMem,
+        purpose: Purpose,
+    ) -> Result<(), String> {
+        let len = mem.len();
+        // The sender's chunk size decides how many receives are posted: a peer cannot
+        // make this endpoint post more than MAX_BULK_CHUNKS for one message.
+        let chunk = usize::try_from(chunk).ok().filter(|c| *c > 0).ok_or("a bulk chunk of 0 bytes")?;
+        let chunks = len.div_ceil(chunk);
+        if chunks > MAX_BULK_CHUNKS {
+            return Err(format!("a bulk payload of {len} bytes in {chunks} chunks (at most {MAX_BULK_CHUNKS})"));
+        }
+        let dest = self.registrar.read_dest(mem).map_err(|e| e.to_string())?;
+        let tid = self.next_id();
+        let t = Transfer { dest: dest.clone(), mapped: None, left: chunks, error: None, peer, bulk: true, purpose };
+        // Posted under the transfers lock, as reads are (see `start_transfer`).
+        let mut transfers = lock(&self.transfers.0);
+        transfers.insert(tid, t);
+        let deadline = Instant::now() + self.cfg.get_connect_timeout();
+        let mut failed = None;
+        for k in 0..chunks {
+            let off = k * chunk;
+            let n = chunk.min(len - off);
+            let tag = super::wire::bulk_tag(token, id, k as u64);
+            let posted = match self.ops.add_recv(tid, &dest, (off, n), tag) {
+                Some((ctx, post)) => self.ops.post(&self.ep, ctx, post, deadline).map_err(|(_, e)| e.to_string()),
+                None => Err("a receive outside its buffer".to_string()),
+            };
+            if let Err(e) = posted {
+                failed = Some((chunks - k, e));
+                break;
+            }
+        }
+        drop(dest);
+        drop(transfers);
+        if let Some((unposted, e)) = failed {
+            for _ in 0..unposted {
+                self.chunk_done(tid, Err(e.clone()));
             }
         }
         Ok(())
@@ -163,8 +225,10 @@ impl Inner {
             }
         };
         match (purpose, error) {
-            (Purpose::Message { head, ctx, tag, id }, None) => {
-                self.reply(peer, &Msg::Fin { id });
+            (Purpose::Message { head, ctx, tag, id, fin }, None) => {
+                if fin {
+                    self.reply(peer, &Msg::Fin { id });
+                }
                 let item = match (claim, got) {
                     // The receive gets the message now; the stream only notes its place
                     // (it was next in its stream when claimed).

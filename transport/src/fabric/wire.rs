@@ -13,6 +13,12 @@
 //! Ordered kinds (data, rendezvous, goodbye) start with a stream header: the sender's
 //! random stream id for this destination and a sequence number from 0; the receiver
 //! delivers each stream in sequence order whatever order completions come in.
+//!
+//! The one exception to the one tag: the payload of a [`Msg::Bulk`] announcement
+//! travels as the provider's own tagged messages, one per chunk, each with a tag of its
+//! own ([`bulk_tag`]) that the receiver posts an exact receive for. These tags differ
+//! from [`TAG`] (so no receive slot takes them) and derive from the sender's secret
+//! session token, so no other endpoint can guess them.
 
 use crate::auth::{self, Nonce, HELLO_LEN};
 use crate::ids::{Context, JobId, Rank, Tag};
@@ -20,6 +26,22 @@ use crate::window::{WindowId, REFUSAL_LEN};
 
 /// The libfabric tag of every message of this protocol version.
 pub(super) const TAG: u64 = 0xD7C7_0100_0000_0000;
+/// The bits [`bulk_tag`] keeps above its hash: the magic of [`TAG`] and kind 2.
+const BULK_PREFIX: u64 = 0xD7C7_0200_0000_0000;
+/// The bits of a bulk tag below its prefix.
+const BULK_HASH: u64 = (1 << 40) - 1;
+
+/// The libfabric tag of chunk `chunk` of bulk payload `id` sent with session `token`:
+/// the [`BULK_PREFIX`] over 40 bits of a hash of the three (splitmix64's finaliser,
+/// so that neighbouring ids and chunks spread over all 40 bits).
+pub(super) fn bulk_tag(token: u64, id: u64, chunk: u64) -> u64 {
+    let mut z = token ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ chunk.rotate_left(29);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    BULK_PREFIX | (z & BULK_HASH)
+}
+
 /// Most key bytes a region descriptor carries.
 pub(super) const MAX_KEY: usize = 64;
 /// Bytes before a data message's payload (kind, token, stream head, context, tag).
@@ -42,9 +64,10 @@ pub(super) enum Kind {
     Ping = 12,
     Pong = 13,
     Release = 14,
+    Bulk = 15,
 }
 
-const KINDS: [Kind; 14] = [
+const KINDS: [Kind; 15] = [
     Kind::Hello,
     Kind::Challenge,
     Kind::Proof,
@@ -59,6 +82,7 @@ const KINDS: [Kind; 14] = [
     Kind::Ping,
     Kind::Pong,
     Kind::Release,
+    Kind::Bulk,
 ];
 
 impl Kind {
@@ -118,6 +142,17 @@ pub(super) enum Msg {
         id: u64,
         region: Region,
     },
+    /// A rendezvous message whose payload follows as the provider's own tagged
+    /// messages of at most `chunk` bytes each (see [`bulk_tag`]), which the receiver
+    /// posts receives for; no `Fin` answers it.
+    Bulk {
+        head: Head,
+        ctx: Context,
+        tag: Tag,
+        len: u64,
+        id: u64,
+        chunk: u64,
+    },
     Bye {
         head: Head,
     },
@@ -164,6 +199,7 @@ impl Msg {
             Self::Ping => Kind::Ping,
             Self::Pong => Kind::Pong,
             Self::Release { .. } => Kind::Release,
+            Self::Bulk { .. } => Kind::Bulk,
         }
     }
 
@@ -224,6 +260,14 @@ impl Msg {
                 b.extend_from_slice(&id.to_le_bytes());
                 put_region(b, region);
             }
+            Self::Bulk { head, ctx, tag, len, id, chunk } => {
+                put_head(b, *head);
+                b.extend_from_slice(&ctx.0.to_le_bytes());
+                b.extend_from_slice(&tag.0.to_le_bytes());
+                b.extend_from_slice(&len.to_le_bytes());
+                b.extend_from_slice(&id.to_le_bytes());
+                b.extend_from_slice(&chunk.to_le_bytes());
+            }
             Self::Bye { head } => put_head(b, *head),
             Self::Fin { id: n } | Self::Release { req: n } => b.extend_from_slice(&n.to_le_bytes()),
             Self::Query { req, window } => {
@@ -276,6 +320,14 @@ impl Msg {
                 len: r.u64()?,
                 id: r.u64()?,
                 region: r.region()?,
+            },
+            Kind::Bulk => Self::Bulk {
+                head: r.head()?,
+                ctx: Context(r.u32()?),
+                tag: Tag(r.u32()?),
+                len: r.u64()?,
+                id: r.u64()?,
+                chunk: r.u64()?,
             },
             Kind::Bye => Self::Bye { head: r.head()? },
             Kind::Fin => Self::Fin { id: r.u64()? },

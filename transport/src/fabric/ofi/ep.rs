@@ -114,6 +114,15 @@ impl Ep {
         posted("fi_trecv", unsafe { sys::fi_trecv(self.0, buf.cast(), len, desc, any, tag, 0, ctx) })
     }
 
+    /// Asks the provider to cancel the operation posted with context `ctx`: if it was
+    /// still pending, its completion comes as an error (`FI_ECANCELED`). Best effort: a
+    /// provider that cannot cancel it (or finds it done) says so, and that is ignored.
+    pub(in crate::fabric) fn cancel(&self, ctx: *mut c_void) {
+        // SAFETY: a valid endpoint fid; the provider only compares `ctx` against its
+        // pending operations and does not dereference a context it does not know.
+        let _ = unsafe { sys::fi_cancel(&raw mut (*self.0).fid, ctx) };
+    }
+
     /// Posts an RMA read of `len` bytes from `src`'s registered memory at `addr` (key
     /// `key`) into `buf`.
     ///

@@ -1,7 +1,8 @@
 //! Operations in flight and how they are posted.
 //!
 //! Receive buffers live in fixed slots ([`RecvSlots`], part of [`Ops`]). Every other
-//! posted operation (send, RMA read) is owned by the [`Ops`]
+//! posted operation (send, RMA read, a bulk payload's chunk sent or received) is owned
+//! by the [`Ops`]
 //! table from before it is posted until its completion is read, keyed by the address of
 //! its boxed `fi_context2` (the context libfabric hands back; providers with the
 //! `FI_CONTEXT`/`FI_CONTEXT2` modes write into it). Each operation owns the memory the
@@ -32,8 +33,12 @@ pub(in crate::fabric) enum Op {
     /// A send of an encoded message to `peer` (if known) at `fi_addr`, with its waiting
     /// sender.
     Send { peer: Option<Rank>, fi_addr: u64, buf: LocalBuf, done: Option<SendDone> },
-    /// One chunk of transfer `transfer`, into `dest`.
+    /// One chunk of transfer `transfer`, into `dest`: an RMA read, or a tagged receive
+    /// of a bulk payload's chunk.
     Read { transfer: u64, dest: Arc<ReadDest> },
+    /// One chunk of bulk payload `id` sent to `peer` (see [`super::super::wire::bulk_tag`]);
+    /// `data` is kept until the provider is done with it.
+    Bulk { peer: Rank, id: u64, data: bytes::Bytes },
 }
 
 /// The per-operation context libfabric hands back with a completion (scratch space
@@ -62,6 +67,7 @@ pub(in crate::fabric) struct Post(Kind);
 enum Kind {
     Send { buf: usize, len: usize, desc: usize, dest: u64, tag: u64 },
     Read { buf: usize, len: usize, desc: usize, src: u64, addr: u64, key: u64 },
+    Recv { buf: usize, len: usize, desc: usize, tag: u64 },
 }
 
 struct Waiting {
@@ -149,6 +155,48 @@ impl Ops {
         Some((self.insert(Op::Read { transfer, dest: dest.clone() }), post))
     }
 
+    /// Adds a tagged receive of `len` bytes into `dest` at `offset`, matching exactly
+    /// `tag`, as a chunk of transfer `transfer`; `None` if the range is outside `dest`.
+    pub(in crate::fabric) fn add_recv(
+        &self,
+        transfer: u64,
+        dest: &Arc<ReadDest>,
+        (offset, len): (usize, usize),
+        tag: u64,
+    ) -> Option<(usize, Post)> {
+        let (p, desc) = dest.raw(offset, len)?;
+        let post = Post(Kind::Recv { buf: p as usize, len, desc: desc as usize, tag });
+        Some((self.insert(Op::Read { transfer, dest: dest.clone() }), post))
+    }
+
+    /// Adds a tagged send of `data` (a chunk of bulk payload `id`, unregistered: only
+    /// for providers without `FI_MR_LOCAL`) with `tag` to `peer` at `fi_addr`.
+    pub(in crate::fabric) fn add_bulk_send(
+        &self,
+        peer: Rank,
+        fi_addr: u64,
+        tag: u64,
+        id: u64,
+        data: bytes::Bytes,
+    ) -> (usize, Post) {
+        let post = Post(Kind::Send { buf: data.as_ptr() as usize, len: data.len(), desc: 0, dest: fi_addr, tag });
+        (self.insert(Op::Bulk { peer, id, data }), post)
+    }
+
+    /// Cancels the posted chunks of the transfers in `transfers` (their peer is gone):
+    /// their completions come as errors. Chunks still in the backlog are left to it.
+    pub(in crate::fabric) fn cancel_transfers(&self, ep: &Ep, transfers: &[u64]) {
+        if transfers.is_empty() {
+            return;
+        }
+        let table = lock(&self.table);
+        for (key, slot) in &table.slots {
+            if matches!(&slot.op, Op::Read { transfer, .. } if transfers.contains(transfer)) {
+                ep.cancel(*key as *mut c_void);
+            }
+        }
+    }
+
     /// Takes the operation whose completion carries `ctx`.
     pub(in crate::fabric) fn take(&self, ctx: *mut c_void) -> Option<Op> {
         let mut table = lock(&self.table);
@@ -197,8 +245,8 @@ impl Ops {
         // SAFETY: a Post is only made by `add_*` from an operation put in the table, and
         // this is called only while that operation is still there and not posted (just
         // added by `post`'s caller, or checked by `try_post`), so not completed: the
-        // memory is owned by that operation (its LocalBuf, or its share of the ReadDest,
-        // whose range `add_read` checked), heap memory that does not move, and `ctx` is
+        // memory is owned by that operation (its LocalBuf, its bulk chunk's Bytes, or
+        // its share of the ReadDest, whose range `add_read`/`add_recv` checked), heap memory that does not move, and `ctx` is
         // the entry's boxed fi_context2. Entries leave the table only when their
         // completion is read, their post fails, or (never posted) their backlog entry is
         // removed with them (deadline passed, peer gone): an operation never leaves the
@@ -213,6 +261,7 @@ impl Ops {
                 Kind::Read { buf, len, desc, src, addr, key } => {
                     ep.read(buf as *mut u8, len, desc as *mut c_void, src, addr, key, c)
                 }
+                Kind::Recv { buf, len, desc, tag } => ep.trecv(buf as *mut u8, len, desc as *mut c_void, tag, c),
             }
         }
     }
@@ -275,6 +324,7 @@ impl Ops {
             match &mut s.op {
                 Op::Send { buf, .. } => buf.unregister(),
                 Op::Read { dest, .. } => dest.unregister(),
+                Op::Bulk { .. } => {}
             }
         }
     }

@@ -13,6 +13,7 @@ fn samples() -> Vec<Msg> {
         Msg::Accept { dialer_nonce: [6; 32] },
         Msg::Data { head, ctx: Context(4), tag: Tag(0x8000_0001) },
         Msg::Rts { head, ctx: Context(1), tag: Tag(2), len: 1 << 30, id: 17, region: region.clone() },
+        Msg::Bulk { head, ctx: Context(1), tag: Tag(2), len: 1 << 30, id: 17, chunk: 8 << 20 },
         Msg::Bye { head },
         Msg::Fin { id: 17 },
         Msg::Query { req: 8, window: WindowId(3) },
@@ -57,9 +58,24 @@ fn truncated_or_padded_bodies_are_refused() {
 
 proptest! {
     #[test]
-    fn decoding_never_panics(mut b in proptest::collection::vec(any::<u8>(), 0..400), k in 0usize..14) {
+    fn decoding_never_panics(mut b in proptest::collection::vec(any::<u8>(), 0..400), k in 0usize..KINDS.len()) {
         let _ = Msg::decode(&b);
         b.insert(0, KINDS[k] as u8);
         let _ = Msg::decode(&b);
+    }
+}
+
+#[test]
+fn bulk_tags_differ_from_the_message_tag_and_from_each_other() {
+    let mut seen = std::collections::HashSet::new();
+    for token in [1u64, 0xdead_beef_1234_5678] {
+        for id in 0..64 {
+            for chunk in 0..64 {
+                let t = bulk_tag(token, id, chunk);
+                assert_ne!(t, TAG);
+                assert_eq!(t & !BULK_HASH, BULK_PREFIX, "{t:#x}");
+                assert!(seen.insert(t), "tag {t:#x} repeats (token {token:#x}, id {id}, chunk {chunk})");
+            }
+        }
     }
 }
