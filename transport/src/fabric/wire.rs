@@ -26,14 +26,17 @@ use crate::window::{WindowId, REFUSAL_LEN};
 
 /// The libfabric tag of every message of this protocol version.
 pub(super) const TAG: u64 = 0xD7C7_0100_0000_0000;
-/// The bits [`bulk_tag`] keeps above its hash: the magic of [`TAG`] and kind 2.
-const BULK_PREFIX: u64 = 0xD7C7_0200_0000_0000;
+/// The top bits of every bulk tag (`01`; [`TAG`]'s are `11`, so no bulk tag is it).
+const BULK_PREFIX: u64 = 1 << 62;
 /// The bits of a bulk tag below its prefix.
-const BULK_HASH: u64 = (1 << 40) - 1;
+const BULK_HASH: u64 = (1 << 62) - 1;
 
 /// The libfabric tag of chunk `chunk` of bulk payload `id` sent with session `token`:
-/// the [`BULK_PREFIX`] over 40 bits of a hash of the three (splitmix64's finaliser,
-/// so that neighbouring ids and chunks spread over all 40 bits).
+/// the [`BULK_PREFIX`] over 62 bits of a hash of the three (splitmix64's finaliser, so
+/// that neighbouring ids and chunks spread over all the bits). Receives match tags
+/// from any source, so two bulk chunks posted at once at one receiver (from any
+/// senders) must not share a tag: with 62 bits, a receiver with a thousand chunks
+/// posted at any time meets a repeat about once in 5·10^15 chunks.
 pub(super) fn bulk_tag(token: u64, id: u64, chunk: u64) -> u64 {
     let mut z = token ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ chunk.rotate_left(29);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
