@@ -350,11 +350,16 @@ impl Inner {
         let claim = {
             let mut streams = lock(&self.streams);
             // A receive waiting for exactly this message gets it read straight into its
-            // memory, if nothing before it in its stream is still on the way.
-            let claim = streams.is_next(rank, head).then(|| self.mailbox.claim(rank, ctx, tag, len)).flatten();
+            // memory, if nothing before it in its stream will reach the mailbox later
+            // (earlier messages still being read into receives of their own are fine:
+            // they took the older receives).
+            let claim = streams.may_claim(rank, head).then(|| self.mailbox.claim(rank, ctx, tag, len)).flatten();
             if let Err(e) = streams.arrive(rank, head, None) {
                 drop((streams, claim));
                 return self.peer_ended(rank, PeerEnd::Lost, &e);
+            }
+            if claim.is_some() {
+                streams.mark_claimed(rank, head);
             }
             claim
         };

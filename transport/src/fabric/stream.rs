@@ -30,8 +30,11 @@ pub(super) enum Item {
 
 enum Slot {
     Ready(Item),
-    /// A rendezvous message whose read is under way.
-    Reading,
+    /// A rendezvous message whose read is under way; `claimed`: into a receive that it
+    /// was handed already (see [`Streams::may_claim`]).
+    Reading {
+        claimed: bool,
+    },
 }
 
 struct Stream {
@@ -70,7 +73,7 @@ impl Streams {
                 Ok(smallvec![(rank, item)])
             }
             item => {
-                s.pending.insert(head.seq, item.map_or(Slot::Reading, Slot::Ready));
+                s.pending.insert(head.seq, item.map_or(Slot::Reading { claimed: false }, Slot::Ready));
                 Ok(Self::drain(s))
             }
         }
@@ -94,17 +97,35 @@ impl Streams {
         }
     }
 
-    /// Whether message `head` of `rank` is the next of its stream with nothing before
-    /// it still pending: handing it to a receive now keeps the order.
-    pub(super) fn is_next(&self, rank: Rank, head: Head) -> bool {
-        self.map.get(&(rank, head.stream)).map_or(head.seq == 0, |s| s.next == head.seq && s.pending.is_empty())
+    /// Whether message `head` of `rank` may be handed to a receive now, before it is
+    /// complete, keeping the order: every earlier message of its stream has arrived and
+    /// is delivered, or is a rendezvous message handed to a receive already (those took
+    /// the older receives, in order). A message behind one that will reach the mailbox
+    /// only later (not yet arrived, or read into a buffer of its own) may not.
+    pub(super) fn may_claim(&self, rank: Rank, head: Head) -> bool {
+        let Some(s) = self.map.get(&(rank, head.stream)) else { return head.seq == 0 };
+        head.seq >= s.next
+            && head.seq - s.next <= s.pending.len() as u64
+            && (s.next..head.seq).all(|q| {
+                matches!(s.pending.get(&q), Some(Slot::Reading { claimed: true } | Slot::Ready(Item::Claimed)))
+            })
+    }
+
+    /// Notes that rendezvous message `head` of `rank` (arrived, under way) was handed to
+    /// a receive.
+    pub(super) fn mark_claimed(&mut self, rank: Rank, head: Head) {
+        if let Some(Slot::Reading { claimed }) =
+            self.map.get_mut(&(rank, head.stream)).and_then(|s| s.pending.get_mut(&head.seq))
+        {
+            *claimed = true;
+        }
     }
 
     /// The read of a rendezvous message completed. Returns what can be delivered now.
     pub(super) fn fill(&mut self, rank: Rank, head: Head, item: Item) -> Ready {
         let Some(s) = self.map.get_mut(&(rank, head.stream)) else { return Ready::new() };
         match s.pending.get_mut(&head.seq) {
-            Some(slot @ Slot::Reading) => *slot = Slot::Ready(item),
+            Some(slot @ Slot::Reading { .. }) => *slot = Slot::Ready(item),
             _ => return Ready::new(),
         }
         Self::drain(s)
@@ -113,7 +134,7 @@ impl Streams {
     fn drain(s: &mut Stream) -> Ready {
         let mut out = Ready::new();
         while let Some(entry) = s.pending.first_entry() {
-            if *entry.key() != s.next || matches!(entry.get(), Slot::Reading) {
+            if *entry.key() != s.next || matches!(entry.get(), Slot::Reading { .. }) {
                 break;
             }
             if let Slot::Ready(item) = entry.remove() {
@@ -176,6 +197,28 @@ mod tests {
         assert_eq!(s.arrive(Rank(2), head(2), Some(data(2))).unwrap().len(), 2);
         assert!(s.take_next(Rank(2), head(4)));
         assert!(s.arrive(Rank(2), head(4), Some(data(4))).is_err(), "counted as delivered");
+    }
+
+    #[test]
+    fn a_message_may_be_claimed_only_behind_claimed_ones() {
+        let mut s = Streams::default();
+        assert!(s.may_claim(Rank(2), head(0)));
+        assert!(!s.may_claim(Rank(2), head(1)), "message 0 has not arrived");
+        s.arrive(Rank(2), head(0), None).unwrap();
+        assert!(!s.may_claim(Rank(2), head(1)), "message 0 is read into a buffer of its own");
+        s.mark_claimed(Rank(2), head(0));
+        assert!(s.may_claim(Rank(2), head(1)));
+        s.arrive(Rank(2), head(1), None).unwrap();
+        s.mark_claimed(Rank(2), head(1));
+        // Message 1 completes first: it waits, claimed, for message 0.
+        assert!(s.fill(Rank(2), head(1), Item::Claimed).is_empty());
+        assert!(s.may_claim(Rank(2), head(2)));
+        assert!(!s.may_claim(Rank(2), head(3)), "message 2 has not arrived");
+        s.arrive(Rank(2), head(2), Some(data(2))).unwrap();
+        assert!(!s.may_claim(Rank(2), head(3)), "message 2 reaches the mailbox only later");
+        let out = s.fill(Rank(2), head(0), Item::Claimed);
+        assert_eq!(out.len(), 3);
+        assert!(s.may_claim(Rank(2), head(3)));
     }
 
     #[test]
