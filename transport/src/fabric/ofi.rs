@@ -26,7 +26,7 @@ mod slots;
 pub(super) use ep::Posted;
 pub(super) use info::{Attrs, Info};
 pub(super) use mem::{ReadDest, ReadMem, Registrar, Remote, RemoteKey};
-pub(super) use ops::{lock, Op, Ops, SendDone};
+pub(super) use ops::{lock, Op, Ops, Post, SendDone};
 pub(super) use slots::{RecvSlots, MAX_SLOTS};
 
 /// The libfabric API version the backend is written against: `FI_VERSION(1, 17)`.

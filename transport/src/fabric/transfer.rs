@@ -10,7 +10,7 @@
 //! or whose peer is gone keeps its buffer until its chunks complete (or the endpoint
 //! closes): the provider may still be writing into it.
 
-use super::ofi::{lock, ReadDest, ReadMem, Registrar};
+use super::ofi::{lock, Post, ReadDest, ReadMem, Registrar};
 use super::rma::{decode_desc, DESC_LEN};
 use super::state::Inner;
 use super::stream::Item;
@@ -109,24 +109,42 @@ impl Inner {
         let (key, mapped) = self.registrar.peer_key(region)?;
         let mapped = mapped.then_some(key);
         let chunks = len.div_ceil(self.chunk);
-        let id = self.next_id();
         let t = Transfer { dest: dest.clone(), mapped, left: chunks, error: None, peer, bulk: false, purpose };
-        // The reads are posted under the transfers lock, and our share of `dest` dropped
-        // before it is released: a read that completes meanwhile waits for it, and then
-        // finds the transfer holding the last share once all reads are done.
+        self.post_chunks(t, dest, (len, self.chunk), "a read", |id, dest, (off, n), _| {
+            self.ops.add_read(id, dest, (off, n), (src, base + off as u64, key))
+        });
+        Ok(())
+    }
+
+    /// Registers transfer `t` into `dest` (`len` bytes in chunks of `chunk`) and posts
+    /// one operation per chunk, made by `add(transfer, dest, (offset, length), index)`;
+    /// a chunk that cannot be posted (nor those after it) completes with the error.
+    fn post_chunks(
+        &self,
+        t: Transfer,
+        dest: Arc<ReadDest>,
+        (len, chunk): (usize, usize),
+        what: &str,
+        add: impl Fn(u64, &Arc<ReadDest>, (usize, usize), usize) -> Option<(usize, Post)>,
+    ) {
+        let chunks = len.div_ceil(chunk);
+        let id = self.next_id();
+        // The chunks are posted under the transfers lock, and our share of `dest`
+        // dropped before it is released: a chunk that completes meanwhile waits for it,
+        // and then finds the transfer holding the last share once all chunks are done.
         let mut transfers = lock(&self.transfers.0);
         transfers.insert(id, t);
         let deadline = Instant::now() + self.cfg.get_connect_timeout();
         let mut failed = None;
-        for i in 0..chunks {
-            let off = i * self.chunk;
-            let n = self.chunk.min(len - off);
-            let posted = match self.ops.add_read(id, &dest, (off, n), (src, base + off as u64, key)) {
+        for k in 0..chunks {
+            let off = k * chunk;
+            let n = chunk.min(len - off);
+            let posted = match add(id, &dest, (off, n), k) {
                 Some((ctx, post)) => self.ops.post(&self.ep, ctx, post, deadline).map_err(|(_, e)| e.to_string()),
-                None => Err("a read outside its buffer".to_string()),
+                None => Err(format!("{what} outside its buffer")),
             };
             if let Err(e) = posted {
-                failed = Some((chunks - i, e));
+                failed = Some((chunks - k, e));
                 break;
             }
         }
@@ -137,7 +155,6 @@ impl Inner {
                 self.chunk_done(id, Err(e.clone()));
             }
         }
-        Ok(())
     }
 
     /// Receives bulk payload `id` of `peer` (sent with session `token` in chunks of
@@ -159,33 +176,10 @@ impl Inner {
             return Err(format!("a bulk payload of {len} bytes in {chunks} chunks (at most {MAX_BULK_CHUNKS})"));
         }
         let dest = self.registrar.read_dest(mem).map_err(|e| e.to_string())?;
-        let tid = self.next_id();
         let t = Transfer { dest: dest.clone(), mapped: None, left: chunks, error: None, peer, bulk: true, purpose };
-        // Posted under the transfers lock, as reads are (see `start_transfer`).
-        let mut transfers = lock(&self.transfers.0);
-        transfers.insert(tid, t);
-        let deadline = Instant::now() + self.cfg.get_connect_timeout();
-        let mut failed = None;
-        for k in 0..chunks {
-            let off = k * chunk;
-            let n = chunk.min(len - off);
-            let tag = super::wire::bulk_tag(token, id, k as u64);
-            let posted = match self.ops.add_recv(tid, &dest, (off, n), tag) {
-                Some((ctx, post)) => self.ops.post(&self.ep, ctx, post, deadline).map_err(|(_, e)| e.to_string()),
-                None => Err("a receive outside its buffer".to_string()),
-            };
-            if let Err(e) = posted {
-                failed = Some((chunks - k, e));
-                break;
-            }
-        }
-        drop(dest);
-        drop(transfers);
-        if let Some((unposted, e)) = failed {
-            for _ in 0..unposted {
-                self.chunk_done(tid, Err(e.clone()));
-            }
-        }
+        self.post_chunks(t, dest, (len, chunk), "a receive", |tid, dest, (off, n), k| {
+            self.ops.add_recv(tid, dest, (off, n), super::wire::bulk_tag(token, id, k as u64))
+        });
         Ok(())
     }
 

@@ -256,19 +256,11 @@ impl Msg {
             // Encoded above.
             Self::Data { .. } => {}
             Self::Rts { head, ctx, tag, len, id, region } => {
-                put_head(b, *head);
-                b.extend_from_slice(&ctx.0.to_le_bytes());
-                b.extend_from_slice(&tag.0.to_le_bytes());
-                b.extend_from_slice(&len.to_le_bytes());
-                b.extend_from_slice(&id.to_le_bytes());
+                put_announcement(b, (*head, *ctx, *tag, *len, *id));
                 put_region(b, region);
             }
             Self::Bulk { head, ctx, tag, len, id, chunk } => {
-                put_head(b, *head);
-                b.extend_from_slice(&ctx.0.to_le_bytes());
-                b.extend_from_slice(&tag.0.to_le_bytes());
-                b.extend_from_slice(&len.to_le_bytes());
-                b.extend_from_slice(&id.to_le_bytes());
+                put_announcement(b, (*head, *ctx, *tag, *len, *id));
                 b.extend_from_slice(&chunk.to_le_bytes());
             }
             Self::Bye { head } => put_head(b, *head),
@@ -316,22 +308,14 @@ impl Msg {
                 let m = Self::Data { head: r.head()?, ctx: Context(r.u32()?), tag: Tag(r.u32()?) };
                 return Some((token, m));
             }
-            Kind::Rts => Self::Rts {
-                head: r.head()?,
-                ctx: Context(r.u32()?),
-                tag: Tag(r.u32()?),
-                len: r.u64()?,
-                id: r.u64()?,
-                region: r.region()?,
-            },
-            Kind::Bulk => Self::Bulk {
-                head: r.head()?,
-                ctx: Context(r.u32()?),
-                tag: Tag(r.u32()?),
-                len: r.u64()?,
-                id: r.u64()?,
-                chunk: r.u64()?,
-            },
+            Kind::Rts => {
+                let (head, ctx, tag, len, id) = r.announcement()?;
+                Self::Rts { head, ctx, tag, len, id, region: r.region()? }
+            }
+            Kind::Bulk => {
+                let (head, ctx, tag, len, id) = r.announcement()?;
+                Self::Bulk { head, ctx, tag, len, id, chunk: r.u64()? }
+            }
             Kind::Bye => Self::Bye { head: r.head()? },
             Kind::Fin => Self::Fin { id: r.u64()? },
             Kind::Query => Self::Query { req: r.u64()?, window: WindowId(r.u32()?) },
@@ -348,6 +332,18 @@ impl Msg {
 fn put_head(b: &mut Vec<u8>, h: Head) {
     b.extend_from_slice(&h.stream.to_le_bytes());
     b.extend_from_slice(&h.seq.to_le_bytes());
+}
+
+/// What a rendezvous or bulk announcement starts with: its place in the stream, the
+/// message's context and tag, its length and the sender's payload id.
+type Announcement = (Head, Context, Tag, u64, u64);
+
+fn put_announcement(b: &mut Vec<u8>, (head, ctx, tag, len, id): Announcement) {
+    put_head(b, head);
+    b.extend_from_slice(&ctx.0.to_le_bytes());
+    b.extend_from_slice(&tag.0.to_le_bytes());
+    b.extend_from_slice(&len.to_le_bytes());
+    b.extend_from_slice(&id.to_le_bytes());
 }
 
 fn put_region(b: &mut Vec<u8>, r: &Region) {
@@ -388,6 +384,10 @@ impl<'a> Reader<'a> {
 
     fn head(&mut self) -> Option<Head> {
         Some(Head { stream: self.u64()?, seq: self.u64()? })
+    }
+
+    fn announcement(&mut self) -> Option<Announcement> {
+        Some((self.head()?, Context(self.u32()?), Tag(self.u32()?), self.u64()?, self.u64()?))
     }
 
     fn region(&mut self) -> Option<Region> {
