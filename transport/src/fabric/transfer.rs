@@ -242,8 +242,15 @@ impl Inner {
             }
             (Purpose::Get { done, lease }, error) => {
                 self.reply(peer, &Msg::Release { req: lease });
-                let failed = |e| TransportError::Window { peer, what: format!("the read failed: {e}") };
-                let _ = done.send(error.map_or(Ok(got), |e| Err(failed(e))));
+                let result = match error {
+                    None => Ok(got),
+                    Some(e) => {
+                        // The part goes back to its landing before the caller hears.
+                        drop(got);
+                        Err(TransportError::Window { peer, what: format!("the read failed: {e}") })
+                    }
+                };
+                let _ = done.send(result);
             }
             (Purpose::Abandoned, _) => {}
         }

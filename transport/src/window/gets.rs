@@ -74,6 +74,15 @@ struct Pending {
     done: oneshot::Sender<GetResult>,
 }
 
+impl Pending {
+    /// Fails the get. Its part goes back to its landing first: the caller may take the
+    /// same range again as soon as it hears of the failure.
+    fn fail(self, err: TransportError) {
+        drop(self.dest);
+        let _ = self.done.send(Err(err));
+    }
+}
+
 /// A reader's gets in flight, by request id.
 #[derive(Default)]
 pub struct GetTable {
@@ -124,18 +133,20 @@ impl GetTable {
             None => return Err(format!("{from} replied to get request {id}, which is not in flight to it")),
         };
         drop(pending);
-        let res = match reply {
-            Ok(data) if data.len() as u64 == p.len => match p.dest {
-                Dest::Into(part) => Ok(Got::new(Some(part), data)),
-                Dest::New | Dest::Lent => Ok(Got::Bytes(data)),
-            },
-            Ok(data) => Err(TransportError::Window {
-                peer: from,
-                what: format!("replied with {} bytes to a get of {}", data.len(), p.len),
-            }),
-            Err(e) => Err(TransportError::Window { peer: from, what: e.to_string() }),
-        };
-        let _ = p.done.send(res);
+        match reply {
+            Ok(data) if data.len() as u64 == p.len => {
+                let got = match p.dest {
+                    Dest::Into(part) => Got::new(Some(part), data),
+                    Dest::New | Dest::Lent => Got::Bytes(data),
+                };
+                let _ = p.done.send(Ok(got));
+            }
+            Ok(data) => {
+                let what = format!("replied with {} bytes to a get of {}", data.len(), p.len);
+                p.fail(TransportError::Window { peer: from, what });
+            }
+            Err(e) => p.fail(TransportError::Window { peer: from, what: e.to_string() }),
+        }
         Ok(())
     }
 
@@ -177,7 +188,7 @@ impl GetTable {
         let ids: Vec<u64> = pending.iter().filter(|(_, p)| p.peer == peer).map(|(id, _)| *id).collect();
         for id in ids {
             if let Some(p) = pending.remove(&id) {
-                let _ = p.done.send(Err(err()));
+                p.fail(err());
             }
         }
     }
@@ -185,7 +196,7 @@ impl GetTable {
     /// Fails every get in flight (the endpoint closes).
     pub fn fail_all(&self) {
         for (_, p) in lock(&self.pending).drain() {
-            let _ = p.done.send(Err(TransportError::Closed));
+            p.fail(TransportError::Closed);
         }
     }
 
@@ -254,6 +265,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 mod tests {
     use super::*;
     use crate::landing::Landing;
+    use crate::window::WindowId;
+    use std::sync::Arc;
 
     async fn sent() -> Result<(), TransportError> {
         Ok(())
@@ -281,6 +294,28 @@ mod tests {
         g.fail_peer(Rank(4), || TransportError::PeerLost(Rank(4)));
         assert!(matches!(rx.await.unwrap(), Err(TransportError::PeerLost(Rank(4)))));
         assert_eq!(g.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_failed_gets_part_is_back_before_its_caller_hears() {
+        // The caller takes the same range again as soon as the failure reaches it (as
+        // after a refused get); a part dropped only after the failure was sent was
+        // sometimes still out then. The failures come from another thread, as a
+        // backend's do.
+        let g = Arc::new(GetTable::new());
+        let l = Landing::new(vec![0; 2], 16).unwrap();
+        for round in 0..2000 {
+            let (id, rx) = g.start_into(Rank(1), l.part(0..16).unwrap());
+            let failer = g.clone();
+            let t = std::thread::spawn(move || match round % 3 {
+                0 => failer.complete(Rank(1), id, Err(WindowError::Unknown(WindowId(7)))).unwrap(),
+                1 => failer.fail_peer(Rank(1), || TransportError::PeerLost(Rank(1))),
+                _ => failer.fail_all(),
+            });
+            assert!(rx.blocking_recv().unwrap().is_err());
+            assert!(l.part(0..16).is_some(), "round {round}: the failed get's part is still out");
+            t.join().unwrap();
+        }
     }
 
     #[tokio::test]
