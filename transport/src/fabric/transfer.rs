@@ -21,6 +21,7 @@ use crate::landing::Part;
 use crate::window::{await_get, GetRequest, Got, WindowError, WindowId};
 use bytes::Bytes;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::oneshot;
@@ -55,9 +56,20 @@ struct Transfer {
 
 /// The transfers in flight, by id.
 #[derive(Default)]
-pub(super) struct Transfers(Mutex<HashMap<u64, Transfer>>);
+pub(super) struct Transfers(Mutex<HashMap<u64, Transfer>>, AtomicUsize);
 
 impl Transfers {
+    /// True if any transfer is in flight (read without the lock: polling threads ask
+    /// after every empty poll).
+    pub(super) fn any(&self) -> bool {
+        self.1.load(Ordering::Relaxed) > 0
+    }
+
+    /// Notes the map's size after a change, under its lock.
+    fn counted(&self, map: &HashMap<u64, Transfer>) {
+        self.1.store(map.len(), Ordering::Relaxed);
+    }
+
     /// Fails the gets reading from `peer`; their buffers stay until the chunks complete.
     pub(super) fn abandon_peer(&self, peer: Rank, err: impl Fn() -> TransportError) {
         for t in lock(&self.0).values_mut().filter(|t| t.peer == peer) {
@@ -134,6 +146,7 @@ impl Inner {
         // and then finds the transfer holding the last share once all chunks are done.
         let mut transfers = lock(&self.transfers.0);
         transfers.insert(id, t);
+        self.transfers.counted(&transfers);
         let deadline = Instant::now() + self.cfg.get_connect_timeout();
         let mut failed = None;
         for k in 0..chunks {
@@ -195,7 +208,9 @@ impl Inner {
             if t.left > 0 {
                 return;
             }
-            match ts.remove(&id) {
+            let t = ts.remove(&id);
+            self.transfers.counted(&ts);
+            match t {
                 Some(t) => t,
                 None => return,
             }
