@@ -377,10 +377,14 @@ impl Inner {
         }
         let mem = claim.map_or_else(|| ReadMem::new_buffer(n), ReadMem::Claim);
         let read = match fill {
-            Fill::Read(region) => match lock(&self.sessions).addr_of(rank) {
-                Some(src) => self.start_transfer(rank, src, region, 0, mem, purpose),
-                None => Err("no address".into()),
-            },
+            Fill::Read(region) => {
+                // Not under the sessions lock: a read may complete at once.
+                let src = lock(&self.sessions).addr_of(rank);
+                match src {
+                    Some(src) => self.start_transfer(rank, src, region, 0, mem, purpose),
+                    None => Err("no address".into()),
+                }
+            }
             Fill::Bulk { token, chunk } => self.start_bulk(rank, (token, id, chunk), mem, purpose),
         };
         if let Err(e) = read {
