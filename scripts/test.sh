@@ -54,5 +54,9 @@ cargo test --workspace --locked "${FEATURES[@]}"
 # every large message as bulk, on both providers where possible.
 echo "== conformance suite, every large fabric message as a bulk payload"
 DUCTILE_FABRIC_BULK=always cargo test -p ductile-transport --locked "${FEATURES[@]}" --test conformance fabric
+# Over shm, readers copy a peer's memory themselves (the fabric backend's `direct`);
+# a third pass keeps the provider's own reads (`fi_read`) covered there.
+echo "== conformance suite over shm, reading with fi_read instead of direct copies"
+DUCTILE_FABRIC_DIRECT=never cargo test -p ductile-transport --locked "${FEATURES[@]}" --test conformance fabric_shm
 echo "== benches compile"
 cargo bench --workspace --locked --no-run "${FEATURES[@]}"

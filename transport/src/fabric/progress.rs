@@ -83,6 +83,8 @@ impl Inner {
                 false
             }
         };
+        // Copies the handlers queued, with no lock held (see `super::direct`).
+        let got = self.run_direct() || got;
         // The slots of handled messages are posted again once the queue is found empty
         // (or half of them wait): a thread that received a message goes back to its
         // application first, and after its reply it reads the queue before it posts

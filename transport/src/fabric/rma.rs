@@ -18,7 +18,7 @@
 
 use super::ofi::{lock, Remote};
 use super::state::Inner;
-use super::wire::{Msg, Region, MAX_KEY};
+use super::wire::{put_region, read_region, Msg, Region, MAX_KEY, MAX_REGION};
 use crate::error::TransportError;
 use crate::ids::Rank;
 use crate::window::{encode_refusal, WindowError, WindowId, REFUSAL_LEN};
@@ -87,18 +87,15 @@ pub(super) struct Outgoing {
     pub(super) chunks: usize,
 }
 
-/// Bytes of a descriptor as it passes through the `GetTable`.
-pub(super) const DESC_LEN: usize = 8 + 8 + 8 + 1 + MAX_KEY;
+/// Bytes of a descriptor as it passes through the `GetTable`: the window's size and
+/// its region.
+pub(super) const DESC_LEN: usize = 8 + MAX_REGION;
 
 /// Encodes (size, region) at a fixed length, for the `GetTable`'s length check.
 pub(super) fn encode_desc(size: u64, r: &Region) -> Bytes {
     let mut b = Vec::with_capacity(DESC_LEN);
     b.extend_from_slice(&size.to_le_bytes());
-    b.extend_from_slice(&r.addr.to_le_bytes());
-    b.extend_from_slice(&r.raw_base.to_le_bytes());
-    let n = r.key.len().min(MAX_KEY);
-    b.push(n as u8);
-    b.extend_from_slice(&r.key[..n]);
+    put_region(&mut b, r);
     b.resize(DESC_LEN, 0);
     Bytes::from(b)
 }
@@ -108,10 +105,8 @@ pub(super) fn decode_desc(b: &[u8]) -> Option<(u64, Region)> {
     if b.len() != DESC_LEN {
         return None;
     }
-    let n = |i: usize| b.get(i..i + 8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes);
-    let len = usize::from(b[24]);
-    let key = b.get(25..25 + len)?.to_vec();
-    Some((n(0)?, Region { addr: n(8)?, raw_base: n(16)?, key }))
+    let size = u64::from_le_bytes(b.get(..8)?.try_into().ok()?);
+    Some((size, read_region(&b[8..])?))
 }
 
 impl Inner {
@@ -248,13 +243,15 @@ mod tests {
 
     #[test]
     fn descriptors_round_trip_at_a_fixed_length() {
-        let r = Region { addr: 0xdead_beef, raw_base: 3, key: vec![9; 8] };
+        let owner = crate::fabric::ofi::Owner { pid: 77, ns: 5 };
+        let r = Region { addr: 0xdead_beef, raw_base: 3, key: vec![9; 8], owner };
         let b = encode_desc(4096, &r);
         assert_eq!(b.len(), DESC_LEN);
         assert_eq!(decode_desc(&b), Some((4096, r)));
         assert_eq!(decode_desc(&b[1..]), None);
         let mut bad = b.to_vec();
-        bad[24] = 200;
+        // The key's length, past the size, addresses and owner.
+        bad[8 + 8 + 8 + 4 + 8] = 200;
         assert_eq!(decode_desc(&bad), None);
     }
 }

@@ -42,6 +42,8 @@ pub(super) struct Inner {
     /// Operations in flight, and the posted receive buffers.
     pub(super) ops: Ops,
     pub(super) transfers: Transfers,
+    /// Direct copies of peers' regions over shm, queued (see [`super::direct`]).
+    pub(super) direct: super::direct::Direct,
     pub(super) sessions: Mutex<Sessions>,
     /// The sessions' token generation (see [`Sessions::generation`]).
     pub(super) generation: Arc<AtomicU64>,
@@ -395,6 +397,7 @@ impl Inner {
         self.shutdown.store(true, Ordering::Release);
         self.queries.fail_all();
         self.transfers.abandon_all();
+        self.direct.clear();
     }
 }
 
@@ -410,6 +413,7 @@ impl Drop for Inner {
     fn drop(&mut self) {
         // Registrations go first (FI_MR_ENDPOINT regions hold the endpoint), then the
         // endpoint (by field order), and only then the buffers it may write into.
+        self.direct.clear();
         self.ops.drop_registrations();
         self.transfers.drop_registrations(&self.registrar);
         lock(&self.leases).clear();

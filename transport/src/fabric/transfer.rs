@@ -10,6 +10,7 @@
 //! or whose peer is gone keeps its buffer until its chunks complete (or the endpoint
 //! closes): the provider may still be writing into it.
 
+use super::direct::Job;
 use super::ofi::{lock, Post, ReadDest, ReadMem, Registrar};
 use super::rma::{decode_desc, DESC_LEN};
 use super::state::Inner;
@@ -22,7 +23,7 @@ use crate::window::{await_get, GetRequest, Got, WindowError, WindowId};
 use bytes::Bytes;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 use tokio::sync::oneshot;
 
@@ -120,12 +121,36 @@ impl Inner {
         let dest = self.registrar.read_dest(mem).map_err(|e| e.to_string())?;
         let (key, mapped) = self.registrar.peer_key(region)?;
         let mapped = mapped.then_some(key);
+        if self.direct.copies(&region.owner) {
+            // One copy of the whole range, queued (see `super::direct`).
+            let t = Transfer { dest: dest.clone(), mapped, left: 1, error: None, peer, bulk: false, purpose };
+            let id = self.next_id();
+            let mut transfers = lock(&self.transfers.0);
+            transfers.insert(id, t);
+            self.transfers.counted(&transfers);
+            drop(transfers);
+            self.direct.push(Job { id, dest, pid: region.owner.pid, addr: base, src, key });
+            return Ok(());
+        }
         let chunks = len.div_ceil(self.chunk);
         let t = Transfer { dest: dest.clone(), mapped, left: chunks, error: None, peer, bulk: false, purpose };
         self.post_chunks(t, dest, (len, self.chunk), "a read", |id, dest, (off, n), _| {
             self.ops.add_read(id, dest, (off, n), (src, base + off as u64, key))
         });
         Ok(())
+    }
+
+    /// Reads transfer `id` (queued as a direct copy, which the kernel refused) with
+    /// `fi_read` from `base` at `src` with `key`.
+    pub(super) fn read_instead(&self, id: u64, dest: Arc<ReadDest>, (src, base, key): (u64, u64, u64)) {
+        let len = dest.len();
+        let mut transfers = lock(&self.transfers.0);
+        let Some(t) = transfers.get_mut(&id) else { return };
+        // No read is in flight for it: the copy was its one operation.
+        t.left = len.div_ceil(self.chunk);
+        self.post_locked(transfers, id, dest, (len, self.chunk), "a read", |id, dest, (off, n), _| {
+            self.ops.add_read(id, dest, (off, n), (src, base + off as u64, key))
+        });
     }
 
     /// Registers transfer `t` into `dest` (`len` bytes in chunks of `chunk`) and posts
@@ -139,7 +164,6 @@ impl Inner {
         what: &str,
         add: impl Fn(u64, &Arc<ReadDest>, (usize, usize), usize) -> Option<(usize, Post)>,
     ) {
-        let chunks = len.div_ceil(chunk);
         let id = self.next_id();
         // The chunks are posted under the transfers lock, and our share of `dest`
         // dropped before it is released: a chunk that completes meanwhile waits for it,
@@ -147,6 +171,21 @@ impl Inner {
         let mut transfers = lock(&self.transfers.0);
         transfers.insert(id, t);
         self.transfers.counted(&transfers);
+        self.post_locked(transfers, id, dest, (len, chunk), what, add);
+    }
+
+    /// Posts the chunks of transfer `id` (registered, with as many left), holding the
+    /// transfers lock; see [`Inner::post_chunks`].
+    fn post_locked(
+        &self,
+        transfers: MutexGuard<'_, HashMap<u64, Transfer>>,
+        id: u64,
+        dest: Arc<ReadDest>,
+        (len, chunk): (usize, usize),
+        what: &str,
+        add: impl Fn(u64, &Arc<ReadDest>, (usize, usize), usize) -> Option<(usize, Post)>,
+    ) {
+        let chunks = len.div_ceil(chunk);
         let deadline = Instant::now() + self.cfg.get_connect_timeout();
         let mut failed = None;
         for k in 0..chunks {

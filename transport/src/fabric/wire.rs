@@ -47,6 +47,8 @@ pub(super) fn bulk_tag(token: u64, id: u64, chunk: u64) -> u64 {
 
 /// Most key bytes a region descriptor carries.
 pub(super) const MAX_KEY: usize = 64;
+/// Most bytes an encoded region takes (addresses, owner, key length and key).
+pub(super) const MAX_REGION: usize = 8 + 8 + 4 + 8 + 1 + MAX_KEY;
 /// Bytes before a data message's payload (kind, token, stream head, context, tag).
 pub(super) const DATA_HEADER: usize = 33;
 
@@ -346,9 +348,12 @@ fn put_announcement(b: &mut Vec<u8>, (head, ctx, tag, len, id): Announcement) {
     b.extend_from_slice(&id.to_le_bytes());
 }
 
-fn put_region(b: &mut Vec<u8>, r: &Region) {
+/// Appends a region: its addresses, owner, then its key after the key's length.
+pub(super) fn put_region(b: &mut Vec<u8>, r: &Region) {
     b.extend_from_slice(&r.addr.to_le_bytes());
     b.extend_from_slice(&r.raw_base.to_le_bytes());
+    b.extend_from_slice(&r.owner.pid.to_le_bytes());
+    b.extend_from_slice(&r.owner.ns.to_le_bytes());
     let n = r.key.len().min(MAX_KEY);
     b.push(n as u8);
     b.extend_from_slice(&r.key[..n]);
@@ -393,12 +398,19 @@ impl<'a> Reader<'a> {
     fn region(&mut self) -> Option<Region> {
         let addr = self.u64()?;
         let raw_base = self.u64()?;
+        let owner = super::ofi::Owner { pid: self.u32()?, ns: self.u64()? };
         let n = usize::from(*self.take(1)?.first()?);
         if n > MAX_KEY {
             return None;
         }
-        Some(Region { addr, raw_base, key: self.take(n)?.to_vec() })
+        Some(Region { addr, raw_base, key: self.take(n)?.to_vec(), owner })
     }
+}
+
+/// Reads a region encoded by [`put_region`] at the start of `b` (bytes after it are
+/// ignored); `None` if malformed.
+pub(super) fn read_region(b: &[u8]) -> Option<Region> {
+    Reader(b).region()
 }
 
 #[cfg(test)]

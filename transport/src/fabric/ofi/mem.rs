@@ -44,13 +44,38 @@ impl Drop for Mr {
 
 /// What a peer needs to read a region: the address of its first byte as the provider
 /// wants it (the virtual address under `FI_MR_VIRT_ADDR`, else 0), the key (raw bytes
-/// under `FI_MR_RAW`, else the 64-bit key little endian) and the raw base address
-/// (`FI_MR_RAW` only).
+/// under `FI_MR_RAW`, else the 64-bit key little endian), the raw base address
+/// (`FI_MR_RAW` only), and the process holding it if a reader on the same node may copy
+/// it directly (see [`Owner`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(in crate::fabric) struct RemoteKey {
     pub(in crate::fabric) addr: u64,
     pub(in crate::fabric) key: Vec<u8>,
     pub(in crate::fabric) raw_base: u64,
+    pub(in crate::fabric) owner: Owner,
+}
+
+/// The process whose memory a region is, for readers that copy it with
+/// `process_vm_readv` (see `fabric::direct`): its pid, and the inode of its pid
+/// namespace, without which a pid names no process for certain. All zero: not offered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(in crate::fabric) struct Owner {
+    pub(in crate::fabric) pid: u32,
+    pub(in crate::fabric) ns: u64,
+}
+
+impl Owner {
+    /// This process, if its pid namespace can be named.
+    pub(in crate::fabric) fn this_process() -> Option<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let ns = std::fs::metadata("/proc/self/ns/pid").ok()?.ino();
+        Some(Self { pid: std::process::id(), ns })
+    }
+
+    /// Whether a region of `self` is offered for direct copies.
+    pub(in crate::fabric) fn offered(&self) -> bool {
+        self.pid != 0 && self.ns != 0
+    }
 }
 
 /// Registers memory as the provider's `mr_mode` asks, with unique requested keys.
@@ -63,11 +88,13 @@ pub(in crate::fabric) struct Registrar {
     raw: bool,
     key_size: usize,
     next_key: AtomicU64,
+    /// Set in the regions registered for peers (all zero: no direct copies).
+    owner: Owner,
 }
 
 impl Registrar {
-    /// A registrar for `ep`'s domain and mode bits.
-    pub(in crate::fabric) fn new(domain: &Arc<Domain>, ep: &Arc<Ep>, attrs: &Attrs) -> Self {
+    /// A registrar for `ep`'s domain and mode bits, naming `owner` in its regions.
+    pub(in crate::fabric) fn new(domain: &Arc<Domain>, ep: &Arc<Ep>, attrs: &Attrs, owner: Owner) -> Self {
         Self {
             domain: domain.clone(),
             ep: attrs.mr(sys::FI_MR_ENDPOINT).then(|| ep.clone()),
@@ -76,6 +103,7 @@ impl Registrar {
             raw: attrs.mr(sys::FI_MR_RAW),
             key_size: attrs.mr_key_size,
             next_key: AtomicU64::new(1),
+            owner,
         }
     }
 
@@ -130,7 +158,8 @@ impl Registrar {
     /// Registers `bytes` for peers to read (an empty region is not registered).
     pub(in crate::fabric) fn remote(&self, bytes: Bytes) -> Result<Remote, OfiError> {
         if bytes.is_empty() {
-            return Ok(Remote { _mr: None, key: RemoteKey { addr: 0, key: Vec::new(), raw_base: 0 }, bytes });
+            let key = RemoteKey { addr: 0, key: Vec::new(), raw_base: 0, owner: Owner::default() };
+            return Ok(Remote { _mr: None, key, bytes });
         }
         // SAFETY: the Remote owns `bytes` (which never move) and drops the Mr first.
         let mr = unsafe { self.register(bytes.as_ptr(), bytes.len(), sys::FI_REMOTE_READ) }?;
@@ -142,11 +171,11 @@ impl Registrar {
             let ret = unsafe { sys::fi_mr_raw_attr(mr.ptr, &mut base, key.as_mut_ptr(), &mut size, 0) };
             check("fi_mr_raw_attr", ret)?;
             key.truncate(size);
-            RemoteKey { addr, key, raw_base: base }
+            RemoteKey { addr, key, raw_base: base, owner: self.owner }
         } else {
             // SAFETY: valid MR.
             let key = unsafe { sys::fi_mr_key(mr.ptr) };
-            RemoteKey { addr, key: key.to_le_bytes().to_vec(), raw_base: 0 }
+            RemoteKey { addr, key: key.to_le_bytes().to_vec(), raw_base: 0, owner: self.owner }
         };
         Ok(Remote { _mr: Some(mr), key, bytes })
     }
@@ -282,6 +311,43 @@ impl ReadDest {
         Some(d.mem.into_inner())
     }
 
+    /// Its length in bytes.
+    pub(in crate::fabric) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Copies the whole destination from `addr` in the memory of process `pid` (same pid
+    /// namespace), with `process_vm_readv`: the kernel copies from the owner's pages to
+    /// ours without either process's help. Call only while no read is in flight into the
+    /// destination (its one transfer is this copy).
+    ///
+    /// # Errors
+    /// The system call's: `EPERM` where the kernel or its policy forbids such reads,
+    /// `ESRCH` if the process is gone, `EFAULT` for a range outside its memory.
+    pub(in crate::fabric) fn copy_from_process(&self, pid: u32, addr: u64) -> std::io::Result<()> {
+        let pid = libc::pid_t::try_from(pid).map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
+        let mut done = 0usize;
+        while done < self.len {
+            let n = self.len - done;
+            let from = addr
+                .checked_add(done as u64)
+                .and_then(|a| usize::try_from(a).ok())
+                .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EFAULT))?;
+            let local = libc::iovec { iov_base: self.base.wrapping_add(done).cast(), iov_len: n };
+            let remote = libc::iovec { iov_base: from as *mut c_void, iov_len: n };
+            // SAFETY: `local` lies within the destination, which nothing else writes
+            // while this copy is its transfer's only read (see the `Sync` impl); the
+            // kernel checks `remote` against the other process's mappings.
+            let got = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+            match usize::try_from(got) {
+                Ok(0) => return Err(std::io::Error::from_raw_os_error(libc::EFAULT)),
+                Ok(k) => done += k,
+                Err(_) => return Err(std::io::Error::last_os_error()),
+            }
+        }
+        Ok(())
+    }
+
     /// The address of byte `offset` of `len` (within bounds) and the descriptor.
     pub(super) fn raw(&self, offset: usize, len: usize) -> Option<(*mut u8, *mut c_void)> {
         if offset.checked_add(len)? > self.len {
@@ -309,5 +375,47 @@ impl Remote {
     /// Its size in bytes.
     pub(in crate::fabric) fn len(&self) -> usize {
         self.bytes.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An unregistered destination of `len` new bytes.
+    fn dest(len: usize) -> ReadDest {
+        let mut mem = ReadMem::new_buffer(len);
+        ReadDest { mr: Mutex::new(None), base: mem.base(), len, mem: UnsafeCell::new(mem) }
+    }
+
+    fn bytes_of(d: ReadDest) -> Vec<u8> {
+        match d.mem.into_inner() {
+            // SAFETY: the copy that filled it succeeded.
+            ReadMem::New(b) => unsafe { ReadMem::filled(b) }.into_vec(),
+            _ => unreachable!("a new buffer"),
+        }
+    }
+
+    #[test]
+    fn a_destination_is_copied_from_a_process_whole() {
+        // This process stands in for the owner: the kernel copies the same way.
+        let owner = Owner::this_process().expect("/proc/self/ns/pid");
+        let src: Vec<u8> = (0..3 << 20).map(|i: u32| (i * 7 + i / 4096) as u8).collect();
+        let d = dest(src.len() - 5);
+        d.copy_from_process(owner.pid, src.as_ptr() as u64 + 5).unwrap();
+        assert!(bytes_of(d) == src[5..], "the copy differs from its source");
+    }
+
+    #[test]
+    fn a_copy_outside_the_owners_memory_fails_instead_of_landing_short() {
+        let owner = Owner::this_process().unwrap();
+        let d = dest(4096);
+        let e = d.copy_from_process(owner.pid, 8).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EFAULT), "{e}");
+        let e = d.copy_from_process(owner.pid, u64::MAX - 100).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EFAULT), "{e}");
+        // A pid no process has (above the kernel's limit of 2^22).
+        let e = d.copy_from_process((1 << 22) + 1, 4096).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ESRCH), "{e}");
     }
 }

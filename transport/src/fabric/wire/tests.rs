@@ -4,7 +4,8 @@ use super::*;
 use proptest::prelude::*;
 
 fn samples() -> Vec<Msg> {
-    let region = Region { addr: 0x1000, raw_base: 7, key: vec![1, 2, 3, 4, 5, 6, 7, 8] };
+    let owner = crate::fabric::ofi::Owner { pid: 4321, ns: 0x4000_0836 };
+    let region = Region { addr: 0x1000, raw_base: 7, key: vec![1, 2, 3, 4, 5, 6, 7, 8], owner };
     let head = Head { stream: 99, seq: 3 };
     vec![
         Msg::Hello { job: JobId(5), rank: Rank(3), nonce: [9; 32], name: vec![1, 2, 3] },

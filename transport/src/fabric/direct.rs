@@ -1,0 +1,271 @@
+//! Direct reads over `shm`: a reader on the same node copies a peer's registered region
+//! out of the peer's memory itself, with `process_vm_readv`, instead of posting
+//! `fi_read`.
+//!
+//! libfabric 1.17's shm provider serves an `fi_read` by the same kernel copy (CMA), but
+//! under a spin lock on the *owner's* region: the readers of one owner take turns and
+//! spin meanwhile, on a node where every spinning reader takes a core from the one
+//! copying. (`benches/peers/fanout.c`: one source to three targets, 64 MiB each, 1.45
+//! GB/s aggregate by `fi_read` on fresh pages.) The copy needs nothing of the provider:
+//! an owner that offers it names its process in its regions ([`Owner`]: pid and pid
+//! namespace), and a reader in the same pid namespace copies by itself; leases and
+//! `Fin` keep the memory alive exactly as they do for `fi_read`.
+//!
+//! A copy is not made where the reader learns of it: rendezvous announcements arrive
+//! inside the completion handler, holding a receive slot and sometimes locks that
+//! delivery takes again. It is queued, and made by the next poll of the completion queue
+//! after its batch of completions ([`Inner::run_direct`]), by whichever thread polls:
+//! an application thread waiting for it (a queued copy counts as a transfer in flight,
+//! so waiting threads keep polling), or the progress thread. Where the kernel refuses
+//! such copies (`EPERM`, e.g. Yama's `ptrace_scope`; `ENOSYS`), the endpoint stops
+//! making them and reads with `fi_read` from then on, this copy first. A copy from an
+//! owner that has gone (`ESRCH`) or outside its memory (`EFAULT`) fails as a read would.
+//!
+//! What a region's owner field lets a peer do: make a reader copy from another process
+//! of the reader's user (same pid namespace) into the reader's own memory, as part of
+//! a message or get the peer could have filled with anything; it never exposes the
+//! reader's memory. Peers are authenticated before their announcements are read, and
+//! the provider's own CMA trusts the pid a peer publishes in the same way.
+//!
+//! `DUCTILE_FABRIC_DIRECT=never` turns the copies off (the tests run part of the
+//! conformance suite so, to keep `fi_read` over shm covered).
+
+use super::ofi::{lock, Owner, ReadDest};
+use super::state::Inner;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// A queued copy: all of transfer `id`'s bytes, from `addr` in the owner's memory; and
+/// how to read them with `fi_read` instead (source address and key).
+pub(super) struct Job {
+    pub(super) id: u64,
+    pub(super) dest: Arc<ReadDest>,
+    pub(super) pid: u32,
+    pub(super) addr: u64,
+    pub(super) src: u64,
+    pub(super) key: u64,
+}
+
+/// This endpoint's direct copies; see the module docs.
+pub(super) struct Direct {
+    /// Our own process, named in our regions; all zero if copies are off.
+    me: Owner,
+    on: AtomicBool,
+    jobs: Mutex<VecDeque<Job>>,
+    /// Copies made (for the tests).
+    copied: AtomicU64,
+    /// The tests' stand-in for a kernel that refuses copies.
+    #[cfg(test)]
+    refuse: AtomicBool,
+}
+
+/// Whether direct copies are offered over the provider `provider`, as asked by
+/// `DUCTILE_FABRIC_DIRECT` (`never` turns them off) and `virt`: the regions' addresses
+/// are virtual addresses (`FI_MR_VIRT_ADDR`), which is what the copy needs.
+pub(super) fn offered(provider: &str, virt: bool, env: Option<&str>) -> bool {
+    provider == "shm" && virt && env != Some("never")
+}
+
+/// Whether a copy that failed with `errno` is better made by `fi_read`: the kernel
+/// forbids such copies here, rather than the owner being gone or the range bad.
+fn refused(errno: Option<i32>) -> bool {
+    matches!(errno, Some(libc::EPERM | libc::ENOSYS | libc::EACCES))
+}
+
+impl Direct {
+    /// Copies offered by `me` (`None`: off).
+    pub(super) fn new(me: Option<Owner>) -> Self {
+        let me = me.unwrap_or_default();
+        Self {
+            on: AtomicBool::new(me.offered()),
+            me,
+            jobs: Mutex::new(VecDeque::new()),
+            copied: AtomicU64::new(0),
+            #[cfg(test)]
+            refuse: AtomicBool::new(false),
+        }
+    }
+
+    /// What our regions say of their owner.
+    pub(super) fn me(&self) -> Owner {
+        self.me
+    }
+
+    /// Whether a region of `owner` is copied directly.
+    pub(super) fn copies(&self, owner: &Owner) -> bool {
+        owner.offered() && owner.ns == self.me.ns && self.on.load(Ordering::Relaxed)
+    }
+
+    /// Whether copies are made (the owner side: our readers copy unless they refuse).
+    pub(super) fn on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn push(&self, job: Job) {
+        lock(&self.jobs).push_back(job);
+    }
+
+    fn pop(&self) -> Option<Job> {
+        lock(&self.jobs).pop_front()
+    }
+
+    /// Drops the queued copies (teardown: their transfers are abandoned).
+    pub(super) fn clear(&self) {
+        lock(&self.jobs).clear();
+    }
+}
+
+impl Inner {
+    /// Makes the queued copies; true if there were any.
+    pub(super) fn run_direct(&self) -> bool {
+        let mut any = false;
+        while let Some(job) = self.direct.pop() {
+            any = true;
+            self.copy(job);
+        }
+        any
+    }
+
+    fn copy(&self, job: Job) {
+        let Job { id, dest, pid, addr, src, key } = job;
+        let copied = dest.copy_from_process(pid, addr);
+        #[cfg(test)]
+        let copied = match self.direct.refuse.load(Ordering::Relaxed) {
+            true => Err(std::io::Error::from_raw_os_error(libc::EPERM)),
+            false => copied,
+        };
+        match copied {
+            Ok(()) => {
+                drop(dest);
+                self.direct.copied.fetch_add(1, Ordering::Relaxed);
+                self.chunk_done(id, Ok(()));
+            }
+            Err(e) if refused(e.raw_os_error()) => {
+                if self.direct.on.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "{}: copies from peers' memory are refused ({e}); reading with fi_read instead",
+                        self.me.rank
+                    );
+                }
+                self.read_instead(id, dest, (src, addr, key));
+            }
+            Err(e) => {
+                drop(dest);
+                self.chunk_done(id, Err(format!("copying from process {pid}: {e}")));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_are_offered_over_shm_with_virtual_addresses_unless_turned_off() {
+        assert!(offered("shm", true, None));
+        assert!(offered("shm", true, Some("always")));
+        assert!(!offered("shm", true, Some("never")));
+        assert!(!offered("shm", false, None));
+        assert!(!offered("tcp;ofi_rxm", true, None));
+    }
+
+    #[test]
+    fn only_a_forbidding_kernel_sends_a_copy_back_to_fi_read() {
+        assert!(refused(Some(libc::EPERM)));
+        assert!(refused(Some(libc::ENOSYS)));
+        assert!(!refused(Some(libc::ESRCH)), "the owner is gone: the read fails");
+        assert!(!refused(Some(libc::EFAULT)), "outside the owner's memory: the read fails");
+        assert!(!refused(None));
+    }
+
+    #[test]
+    fn a_region_is_copied_only_from_an_owner_in_our_pid_namespace() {
+        let me = Owner::this_process().expect("/proc/self/ns/pid");
+        let d = Direct::new(Some(me));
+        assert!(d.copies(&Owner { pid: 1234, ns: me.ns }));
+        assert!(!d.copies(&Owner { pid: 1234, ns: me.ns ^ 1 }), "another namespace");
+        assert!(!d.copies(&Owner::default()), "not offered");
+        let off = Direct::new(None);
+        assert!(!off.copies(&Owner { pid: 1234, ns: me.ns }));
+        assert!(!off.on());
+    }
+
+    /// Two shm endpoints of one job in this process.
+    fn shm_pair() -> Vec<(Arc<super::super::FabricTransport>, crate::Endpoint)> {
+        use crate::auth::Identity;
+        use crate::{JobId, JobKey, Mailbox, Rank, Transport, TransportConfig, TransportSetup};
+        let eps: Vec<_> = (0..2)
+            .map(|r| {
+                let mailbox = Arc::new(Mailbox::new());
+                let identity = Identity { job: JobId(5), key: JobKey::from_bytes([3; 32]), rank: Rank(r) };
+                let config = TransportConfig::default().fabric_provider("shm");
+                let setup = TransportSetup { identity, size: 2, config, mailbox: mailbox.clone() };
+                let t = Arc::new(super::super::FabricTransport::bind(setup).expect("an shm endpoint"));
+                (t.clone(), crate::Endpoint::new(t, mailbox, Rank(r)))
+            })
+            .collect();
+        let table: Vec<_> = eps.iter().map(|(t, _)| t.local_addr()).collect();
+        for (t, _) in &eps {
+            t.set_peers(&table).unwrap();
+        }
+        eps
+    }
+
+    #[tokio::test]
+    async fn shm_gets_and_rendezvous_messages_are_copied_directly() {
+        use crate::matching::{Pattern, SrcMatch, TagMatch};
+        use crate::{Context, Rank, Tag, Transport};
+        if std::env::var("DUCTILE_FABRIC_DIRECT").as_deref() == Ok("never") {
+            eprintln!("SKIPPED: DUCTILE_FABRIC_DIRECT=never turns direct copies off");
+            return;
+        }
+        let eps = shm_pair();
+        let (t0, e0) = &eps[0];
+        let (t1, e1) = &eps[1];
+        assert!(!t0.capabilities().serial_reads, "readers copy by themselves: no turns");
+        let data = bytes::Bytes::from((0..3 << 20).map(|i: u32| (i % 251) as u8).collect::<Vec<u8>>());
+        let w = t1.expose(data.clone()).unwrap();
+        let got = e0.get(Rank(1), w, 12345, 2 << 20, std::time::Duration::from_secs(20)).await.unwrap();
+        assert!(got[..] == data[12345..12345 + (2 << 20)], "the get's bytes differ");
+        assert_eq!(t0.inner.direct.copied.load(Ordering::Relaxed), 1, "the get was one direct copy");
+        e1.send(Rank(0), Context(0), Tag(4), data.clone()).await.unwrap();
+        let from = Pattern { ctx: Context(0), src: SrcMatch::Rank(Rank(1)), tag: TagMatch::Tag(Tag(4)) };
+        let m = e0.recv(from, std::time::Duration::from_secs(20)).await.unwrap();
+        assert!(m.payload == data, "the message's bytes differ");
+        assert_eq!(t0.inner.direct.copied.load(Ordering::Relaxed), 2, "the message was one direct copy");
+        t1.withdraw(w).unwrap();
+        for (t, _) in &eps {
+            t.close().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refused_copy_is_read_with_fi_read_and_so_are_the_later_ones() {
+        use crate::{Rank, Transport};
+        if std::env::var("DUCTILE_FABRIC_DIRECT").as_deref() == Ok("never") {
+            eprintln!("SKIPPED: DUCTILE_FABRIC_DIRECT=never turns direct copies off");
+            return;
+        }
+        let eps = shm_pair();
+        let (t0, e0) = &eps[0];
+        let (t1, _) = &eps[1];
+        let data = bytes::Bytes::from((0..1 << 20).map(|i: u32| (i % 241) as u8).collect::<Vec<u8>>());
+        let w = t1.expose(data.clone()).unwrap();
+        let direct = &t0.inner.direct;
+        assert!(direct.on());
+        // As the kernel refusing the first copy; the endpoint gives copies up at once.
+        direct.refuse.store(true, Ordering::Relaxed);
+        for k in 0..3u64 {
+            let got = e0.get(Rank(1), w, k, 1000 + k, std::time::Duration::from_secs(20)).await.unwrap();
+            assert!(got[..] == data[k as usize..][..1000 + k as usize], "get {k} differs");
+        }
+        assert_eq!(direct.copied.load(Ordering::Relaxed), 0);
+        assert!(!direct.on(), "no copies after a refusal");
+        t1.withdraw(w).unwrap();
+        for (t, _) in &eps {
+            t.close().await;
+        }
+    }
+}
