@@ -113,6 +113,12 @@ impl AsyncGroup {
         self.core.endpoint.transport().capabilities().serial_reads
     }
 
+    /// Whether the transport populates the memory it fills for gets and in-place
+    /// receives itself (see `Capabilities::populates`).
+    pub(crate) fn populates(&self) -> bool {
+        self.core.endpoint.transport().capabilities().populates
+    }
+
     /// Sends `payload` within this call if the transport takes it at once (a small
     /// message to a connected peer): true if sent; false if nothing was sent and
     /// [`AsyncGroup::send_bytes`] must send it.

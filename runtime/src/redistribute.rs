@@ -35,7 +35,8 @@
 //! The new block is allocated once at its final size and lent to the transport in
 //! disjoint parts ([`ductile_transport::Landing`]) that gets and receives fill in place;
 //! the old block is shared with the transport as `Bytes` without a copy. Each part's
-//! pages are populated just before it is filled ([`crate::block`]).
+//! pages are populated just before it is filled ([`crate::block`]), unless the transport
+//! populates them in its own copies (`Capabilities::populates`).
 //!
 //! A move in the background is paced ([`Pacer`]): one segment in flight per target, and
 //! a pause after each so that the move keeps the processes busy only a share of the
@@ -46,7 +47,7 @@ use crate::error::{Error, Result};
 use crate::group::AsyncGroup;
 use bytes::Bytes;
 use ductile_redistrib::{block_range, drain_plan, source_plan, DrainPlan};
-use ductile_transport::{Tag, TagMatch, WindowId};
+use ductile_transport::{Part, Tag, TagMatch, WindowId};
 use futures_util::future::{try_join, try_join3, try_join_all, BoxFuture};
 use futures_util::stream::{self, FuturesUnordered, StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
@@ -287,7 +288,7 @@ impl Move<'_> {
         let grant = |src: usize, pending: &mut Vec<(usize, std::vec::IntoIter<Range<usize>>)>| {
             let seg = pending.iter_mut().find(|(s, _)| *s == src).and_then(|(_, segs)| segs.next());
             let mut part = lend(seg.ok_or_else(|| plan_error("grant without a segment"))?)?;
-            crate::block::populate(part.as_mut_slice());
+            prepare(t, &mut part);
             let landed = t.post_in_place(src, self.tag, part)?;
             Ok::<_, Error>(async move {
                 t.send_tagged(src, self.done_tag, Bytes::new()).await?;
@@ -354,7 +355,7 @@ impl Move<'_> {
                 match (&landing, inc[src].get(round)) {
                     (Some(l), Some(seg)) => {
                         let mut part = l.part(seg.clone()).ok_or_else(|| plan_error("overlapping segments"))?;
-                        crate::block::populate(part.as_mut_slice());
+                        prepare(t, &mut part);
                         let landed = t.post_in_place(src, self.tag, part)?;
                         recvs.push(Box::pin(async move { landed.await.map(drop) }));
                     }
@@ -456,7 +457,7 @@ impl Move<'_> {
                     fetches.push(async move {
                         let mut parts = parts;
                         for (_, part) in &mut parts {
-                            crate::block::populate(part.as_mut_slice());
+                            prepare(t, part);
                         }
                         let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
                         let id = window_id(&b, src)?;
@@ -473,7 +474,7 @@ impl Move<'_> {
                     let offset = (at + seg.start - range.start) as u64;
                     let mut part = lend(seg)?;
                     gets.push(async move {
-                        crate::block::populate(part.as_mut_slice());
+                        prepare(t, &mut part);
                         t.get_into(src, id, offset, part).await
                     });
                 }
@@ -522,6 +523,15 @@ fn segments(r: Range<usize>, len: usize) -> impl Iterator<Item = Range<usize>> {
 fn round_robin(counts: &[(usize, usize)]) -> Vec<usize> {
     let most = counts.iter().map(|c| c.1).max().unwrap_or(0);
     (0..most).flat_map(|i| counts.iter().filter(move |c| i < c.1).map(|c| c.0)).collect()
+}
+
+/// Populates a part that the transport is about to fill, unless the transport's own
+/// copies do it (`Capabilities::populates`: several threads then fault the pages in at
+/// once, where this would do it ahead of them on one).
+fn prepare(t: &AsyncGroup, part: &mut Part) {
+    if !t.populates() {
+        crate::block::populate(part.as_mut_slice());
+    }
 }
 
 fn plan_error(what: &str) -> Error {

@@ -48,6 +48,11 @@ pub struct Capabilities {
     /// readers that come together spin on it, taking the processor from the one that
     /// copies. Readers of such a backend do better taking turns.
     pub serial_reads: bool,
+    /// The backend faults in the pages of the memory it fills for gets and in-place
+    /// receives itself, in the threads that copy into it, several at once: a caller
+    /// that populates fresh memory first only does serially what the copies would do
+    /// in parallel (fabric over shm, whose readers copy peers' memory themselves).
+    pub populates: bool,
 }
 
 /// A message transport backend.

@@ -36,11 +36,13 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// A queued copy: all of transfer `id`'s bytes, from `addr` in the owner's memory; and
-/// how to read them with `fi_read` instead (source address and key).
+/// A queued copy: one chunk of transfer `id` (`range`: offset and length in `dest`),
+/// from `addr` in the owner's memory; and how to read it with `fi_read` instead (source
+/// address and key).
 pub(super) struct Job {
     pub(super) id: u64,
     pub(super) dest: Arc<ReadDest>,
+    pub(super) range: (usize, usize),
     pub(super) pid: u32,
     pub(super) addr: u64,
     pub(super) src: u64,
@@ -102,8 +104,8 @@ impl Direct {
         self.on.load(Ordering::Relaxed)
     }
 
-    pub(super) fn push(&self, job: Job) {
-        lock(&self.jobs).push_back(job);
+    pub(super) fn push(&self, jobs: impl IntoIterator<Item = Job>) {
+        lock(&self.jobs).extend(jobs);
     }
 
     fn pop(&self) -> Option<Job> {
@@ -128,8 +130,8 @@ impl Inner {
     }
 
     fn copy(&self, job: Job) {
-        let Job { id, dest, pid, addr, src, key } = job;
-        let copied = dest.copy_from_process(pid, addr);
+        let Job { id, dest, range, pid, addr, src, key } = job;
+        let copied = dest.copy_from_process(range, pid, addr);
         #[cfg(test)]
         let copied = match self.direct.refuse.load(Ordering::Relaxed) {
             true => Err(std::io::Error::from_raw_os_error(libc::EPERM)),
@@ -148,7 +150,7 @@ impl Inner {
                         self.me.rank
                     );
                 }
-                self.read_instead(id, dest, (src, addr, key));
+                self.read_instead(id, dest, range, (src, addr, key));
             }
             Err(e) => {
                 drop(dest);
@@ -225,16 +227,24 @@ mod tests {
         let (t0, e0) = &eps[0];
         let (t1, e1) = &eps[1];
         assert!(!t0.capabilities().serial_reads, "readers copy by themselves: no turns");
-        let data = bytes::Bytes::from((0..3 << 20).map(|i: u32| (i % 251) as u8).collect::<Vec<u8>>());
+        assert!(t0.capabilities().populates, "the copies populate their memory");
+        // Three chunks and a bit.
+        let chunk = t0.inner.chunk;
+        let data = bytes::Bytes::from((0..3 * chunk as u32 + 5).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
         let w = t1.expose(data.clone()).unwrap();
-        let got = e0.get(Rank(1), w, 12345, 2 << 20, std::time::Duration::from_secs(20)).await.unwrap();
+        let copies = || t0.inner.direct.copied.load(Ordering::Relaxed);
+        let t = std::time::Duration::from_secs(20);
+        let got = e0.get(Rank(1), w, 12345, 2 << 20, t).await.unwrap();
         assert!(got[..] == data[12345..12345 + (2 << 20)], "the get's bytes differ");
-        assert_eq!(t0.inner.direct.copied.load(Ordering::Relaxed), 1, "the get was one direct copy");
+        assert_eq!(copies(), 1, "the get was one direct copy");
+        let got = e0.get(Rank(1), w, 1, data.len() as u64 - 1, t).await.unwrap();
+        assert!(got[..] == data[1..], "the large get's bytes differ");
+        assert_eq!(copies(), 5, "a copy per chunk");
         e1.send(Rank(0), Context(0), Tag(4), data.clone()).await.unwrap();
         let from = Pattern { ctx: Context(0), src: SrcMatch::Rank(Rank(1)), tag: TagMatch::Tag(Tag(4)) };
-        let m = e0.recv(from, std::time::Duration::from_secs(20)).await.unwrap();
+        let m = e0.recv(from, t).await.unwrap();
         assert!(m.payload == data, "the message's bytes differ");
-        assert_eq!(t0.inner.direct.copied.load(Ordering::Relaxed), 2, "the message was one direct copy");
+        assert_eq!(copies(), 9, "the message was a copy per chunk");
         t1.withdraw(w).unwrap();
         for (t, _) in &eps {
             t.close().await;

@@ -308,8 +308,9 @@ impl Transport for FabricTransport {
     fn capabilities(&self) -> Capabilities {
         // libfabric 1.17's shm provider copies a read (CMA) under the owner's region
         // lock (see `Capabilities::serial_reads`), unless readers copy by themselves.
-        let serial_reads = self.inner.attrs.provider == "shm" && !self.inner.direct.on();
-        Capabilities { tagged: true, one_sided: true, polled: true, serial_reads }
+        let direct = self.inner.direct.on();
+        let serial_reads = self.inner.attrs.provider == "shm" && !direct;
+        Capabilities { tagged: true, one_sided: true, polled: true, serial_reads, populates: direct }
     }
 
     fn local_addr(&self) -> EndpointAddr {

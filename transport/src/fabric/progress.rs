@@ -421,8 +421,12 @@ pub(super) fn run(inner: Arc<Inner>) {
         if inner.pollers.load(Ordering::Acquire) > 0 {
             // An application thread is reading the queue itself: on a machine with as
             // many cores as ranks, a second thread spinning on the same queue only takes
-            // its core away (and the queue's lock), so this one waits its turn.
-            std::thread::park_timeout(STAND_ASIDE);
+            // its core away (and the queue's lock), so this one waits its turn; but it
+            // helps make queued copies (woken when they are queued), which are work,
+            // not spinning.
+            if !inner.run_direct() {
+                std::thread::park_timeout(STAND_ASIDE);
+            }
         } else if inner.progress_once() {
             idle = 0;
         } else {

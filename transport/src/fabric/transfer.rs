@@ -121,18 +121,33 @@ impl Inner {
         let dest = self.registrar.read_dest(mem).map_err(|e| e.to_string())?;
         let (key, mapped) = self.registrar.peer_key(region)?;
         let mapped = mapped.then_some(key);
+        let chunks = len.div_ceil(self.chunk);
         if self.direct.copies(&region.owner) {
-            // One copy of the whole range, queued (see `super::direct`).
-            let t = Transfer { dest: dest.clone(), mapped, left: 1, error: None, peer, bulk: false, purpose };
+            // One copy per chunk, queued (see `super::direct`): threads that poll make
+            // them, several at once if several poll.
+            let t = Transfer { dest: dest.clone(), mapped, left: chunks, error: None, peer, bulk: false, purpose };
             let id = self.next_id();
             let mut transfers = lock(&self.transfers.0);
             transfers.insert(id, t);
             self.transfers.counted(&transfers);
             drop(transfers);
-            self.direct.push(Job { id, dest, pid: region.owner.pid, addr: base, src, key });
+            let (pid, chunk) = (region.owner.pid, self.chunk);
+            let jobs: Vec<Job> = (0..chunks)
+                .map(|k| {
+                    let (off, n) = (k * chunk, chunk.min(len - k * chunk));
+                    Job { id, dest: dest.clone(), range: (off, n), pid, addr: base + off as u64, src, key }
+                })
+                .collect();
+            // Our share goes first: the last copy must find the transfer's the last one.
+            drop(dest);
+            self.direct.push(jobs);
+            if chunks > 1 {
+                if let Some(t) = self.progress_thread.get() {
+                    t.unpark();
+                }
+            }
             return Ok(());
         }
-        let chunks = len.div_ceil(self.chunk);
         let t = Transfer { dest: dest.clone(), mapped, left: chunks, error: None, peer, bulk: false, purpose };
         self.post_chunks(t, dest, (len, self.chunk), "a read", |id, dest, (off, n), _| {
             self.ops.add_read(id, dest, (off, n), (src, base + off as u64, key))
@@ -140,16 +155,23 @@ impl Inner {
         Ok(())
     }
 
-    /// Reads transfer `id` (queued as a direct copy, which the kernel refused) with
-    /// `fi_read` from `base` at `src` with `key`.
-    pub(super) fn read_instead(&self, id: u64, dest: Arc<ReadDest>, (src, base, key): (u64, u64, u64)) {
-        let len = dest.len();
-        let mut transfers = lock(&self.transfers.0);
-        let Some(t) = transfers.get_mut(&id) else { return };
-        // No read is in flight for it: the copy was its one operation.
-        t.left = len.div_ceil(self.chunk);
-        self.post_locked(transfers, id, dest, (len, self.chunk), "a read", |id, dest, (off, n), _| {
-            self.ops.add_read(id, dest, (off, n), (src, base + off as u64, key))
+    /// Reads chunk `(offset, len)` of transfer `id` (queued as a direct copy, which the
+    /// kernel refused) with one `fi_read` from `addr` at `src` with `key`.
+    pub(super) fn read_instead(
+        &self,
+        id: u64,
+        dest: Arc<ReadDest>,
+        (offset, len): (usize, usize),
+        (src, addr, key): (u64, u64, u64),
+    ) {
+        let transfers = lock(&self.transfers.0);
+        if !transfers.contains_key(&id) {
+            return;
+        }
+        // The chunk still counts as one: its copy becomes this read. Chunks of copies
+        // are no larger than a read.
+        self.post_locked(transfers, id, dest, (len, len), "a read", |id, dest, (_, n), _| {
+            self.ops.add_read(id, dest, (offset, n), (src, addr, key))
         });
     }
 

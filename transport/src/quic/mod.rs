@@ -232,7 +232,7 @@ impl Transport for QuicTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { tagged: true, one_sided: true, polled: false, serial_reads: false }
+        Capabilities { tagged: true, one_sided: true, polled: false, serial_reads: false, populates: false }
     }
 
     fn local_addr(&self) -> EndpointAddr {

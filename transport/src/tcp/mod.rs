@@ -319,7 +319,7 @@ impl Transport for TcpTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { tagged: true, one_sided: true, polled: true, serial_reads: false }
+        Capabilities { tagged: true, one_sided: true, polled: true, serial_reads: false, populates: false }
     }
 
     fn local_addr(&self) -> EndpointAddr {

@@ -22,6 +22,9 @@ use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+/// Below this, a copy's destination is not populated first (see `ReadDest::populate`).
+const POPULATE_MIN: usize = 256 << 10;
+
 /// A registered memory region (it does not own the memory; its holder does).
 struct Mr {
     ptr: *mut sys::fid_mr,
@@ -311,41 +314,65 @@ impl ReadDest {
         Some(d.mem.into_inner())
     }
 
-    /// Its length in bytes.
-    pub(in crate::fabric) fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Copies the whole destination from `addr` in the memory of process `pid` (same pid
-    /// namespace), with `process_vm_readv`: the kernel copies from the owner's pages to
-    /// ours without either process's help. Call only while no read is in flight into the
-    /// destination (its one transfer is this copy).
+    /// Copies bytes `offset..offset + len` of the destination from `addr` in the memory
+    /// of process `pid` (same pid namespace), with `process_vm_readv`: the kernel copies
+    /// from the owner's pages to ours without either process's help. Call only for a
+    /// range that no other read is writing (a copy is its chunk's one read).
     ///
     /// # Errors
     /// The system call's: `EPERM` where the kernel or its policy forbids such reads,
-    /// `ESRCH` if the process is gone, `EFAULT` for a range outside its memory.
-    pub(in crate::fabric) fn copy_from_process(&self, pid: u32, addr: u64) -> std::io::Result<()> {
+    /// `ESRCH` if the process is gone, `EFAULT` for a range outside its memory (or
+    /// outside the destination).
+    pub(in crate::fabric) fn copy_from_process(
+        &self,
+        (offset, len): (usize, usize),
+        pid: u32,
+        addr: u64,
+    ) -> std::io::Result<()> {
+        let fault = || std::io::Error::from_raw_os_error(libc::EFAULT);
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(fault());
+        }
         let pid = libc::pid_t::try_from(pid).map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
+        self.populate(offset, len);
         let mut done = 0usize;
-        while done < self.len {
-            let n = self.len - done;
-            let from = addr
-                .checked_add(done as u64)
-                .and_then(|a| usize::try_from(a).ok())
-                .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EFAULT))?;
-            let local = libc::iovec { iov_base: self.base.wrapping_add(done).cast(), iov_len: n };
+        while done < len {
+            let n = len - done;
+            let from = addr.checked_add(done as u64).and_then(|a| usize::try_from(a).ok()).ok_or_else(fault)?;
+            let local = libc::iovec { iov_base: self.base.wrapping_add(offset + done).cast(), iov_len: n };
             let remote = libc::iovec { iov_base: from as *mut c_void, iov_len: n };
-            // SAFETY: `local` lies within the destination, which nothing else writes
-            // while this copy is its transfer's only read (see the `Sync` impl); the
-            // kernel checks `remote` against the other process's mappings.
+            // SAFETY: `local` lies within the destination (checked above), in a range
+            // nothing else writes while this copy is its only read (see the `Sync`
+            // impl); the kernel checks `remote` against the other process's mappings.
             let got = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
             match usize::try_from(got) {
-                Ok(0) => return Err(std::io::Error::from_raw_os_error(libc::EFAULT)),
+                Ok(0) => return Err(fault()),
                 Ok(k) => done += k,
                 Err(_) => return Err(std::io::Error::last_os_error()),
             }
         }
         Ok(())
+    }
+
+    /// Faults in the whole pages of bytes `offset..offset + len` (within bounds, at
+    /// least [`POPULATE_MIN`] of them) in one call (`MADV_POPULATE_WRITE`, Linux 5.14;
+    /// where it is refused the copy takes the faults): the copies into fresh memory then
+    /// take no fault per page, and the threads making copies populate in parallel.
+    /// (Redistribution over shm, 4→1 by gets, GB/s, medians of 3: populated by the
+    /// application before each get 2.46, by the copies 3.37.)
+    fn populate(&self, offset: usize, len: usize) {
+        if len < POPULATE_MIN {
+            return;
+        }
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1);
+        let at = self.base as usize + offset;
+        let (start, end) = (at.next_multiple_of(page), (at + len) / page * page);
+        if end > start {
+            // SAFETY: [start, end) lies inside the destination, memory of this process
+            // that only this copy writes; populating leaves its bytes unchanged.
+            let _ = unsafe { libc::madvise(start as *mut c_void, end - start, libc::MADV_POPULATE_WRITE) };
+        }
     }
 
     /// The address of byte `offset` of `len` (within bounds) and the descriptor.
@@ -401,8 +428,12 @@ mod tests {
         // This process stands in for the owner: the kernel copies the same way.
         let owner = Owner::this_process().expect("/proc/self/ns/pid");
         let src: Vec<u8> = (0..3 << 20).map(|i: u32| (i * 7 + i / 4096) as u8).collect();
-        let d = dest(src.len() - 5);
-        d.copy_from_process(owner.pid, src.as_ptr() as u64 + 5).unwrap();
+        let n = src.len() - 5;
+        let d = dest(n);
+        // In two pieces, as a transfer's chunks are.
+        let half = n / 2 + 3;
+        d.copy_from_process((half, n - half), owner.pid, src.as_ptr() as u64 + 5 + half as u64).unwrap();
+        d.copy_from_process((0, half), owner.pid, src.as_ptr() as u64 + 5).unwrap();
         assert!(bytes_of(d) == src[5..], "the copy differs from its source");
     }
 
@@ -410,12 +441,15 @@ mod tests {
     fn a_copy_outside_the_owners_memory_fails_instead_of_landing_short() {
         let owner = Owner::this_process().unwrap();
         let d = dest(4096);
-        let e = d.copy_from_process(owner.pid, 8).unwrap_err();
+        let src = vec![1u8; 4096];
+        let e = d.copy_from_process((0, 4096), owner.pid, 8).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EFAULT), "{e}");
-        let e = d.copy_from_process(owner.pid, u64::MAX - 100).unwrap_err();
+        let e = d.copy_from_process((0, 4096), owner.pid, u64::MAX - 100).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EFAULT), "{e}");
+        let e = d.copy_from_process((1, 4096), owner.pid, src.as_ptr() as u64).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EFAULT), "past the destination: {e}");
         // A pid no process has (above the kernel's limit of 2^22).
-        let e = d.copy_from_process((1 << 22) + 1, 4096).unwrap_err();
+        let e = d.copy_from_process((0, 4096), (1 << 22) + 1, src.as_ptr() as u64).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::ESRCH), "{e}");
     }
 }
