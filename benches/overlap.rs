@@ -18,7 +18,8 @@
 //! without `--background` gives the time the solver is stopped for the same move (the
 //! report's `redistribute` phase), shown beside it. The move is paced as the ranks'
 //! `DUCTILE_BACKGROUND_SHARE` says (inherited from the bench's environment; 0.15 by
-//! default, 1 moves at full speed).
+//! default, 1 moves at full speed). `DUCTILE_BENCH_TRANSPORT` picks the transport:
+//! `tcp` (the default), `quic`, or `fabric:PROVIDER` (e.g. `fabric:shm`).
 
 use ductile_suite::paths::{ductile_bin, example};
 use std::process::Command;
@@ -28,6 +29,24 @@ const PAIRS: [(u32, u32); 3] = [(1, 2), (2, 1), (2, 4)];
 
 fn reps() -> usize {
     std::env::var("DUCTILE_BENCH_REPS").ok().and_then(|v| v.parse().ok()).filter(|&r| r > 0).unwrap_or(5)
+}
+
+/// `ductile run`'s transport arguments, from `DUCTILE_BENCH_TRANSPORT`.
+fn transport_args() -> Vec<String> {
+    let spec = std::env::var("DUCTILE_BENCH_TRANSPORT").unwrap_or_else(|_| "tcp".into());
+    let (name, provider) = match spec.split_once(':') {
+        Some((name, provider)) => (name, Some(provider)),
+        None => (spec.as_str(), None),
+    };
+    if !["tcp", "quic", "fabric"].contains(&name) || (provider.is_some() && name != "fabric") {
+        eprintln!("DUCTILE_BENCH_TRANSPORT={spec:?}: expected tcp, quic or fabric:PROVIDER");
+        std::process::exit(2);
+    }
+    let mut args = vec!["--transport".to_string(), name.to_string()];
+    if let Some(p) = provider {
+        args.extend(["--fabric-provider".to_string(), p.to_string()]);
+    }
+    args
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -51,6 +70,7 @@ fn job(method: &str, (from, to): (u32, u32), background: bool) -> Run {
     let mut cmd = Command::new(ductile_bin());
     cmd.args(["run", "-n", &n, "--slots", "1", "--max-nodes", &max, "--policy", &policy, "--period", "60"])
         .args(["--timeout", "300"])
+        .args(transport_args())
         .args(["--redistribution", method, "--report", report.to_str().expect("utf-8 temp dir")]);
     if background {
         cmd.arg("--background");
@@ -86,7 +106,8 @@ fn main() {
     }
     ductile_suite::paths::build_release();
     let reps = reps();
-    println!("background redistribution of a 256 MiB constant item under jacobi, median of {reps} jobs");
+    let transport = transport_args().join(" ");
+    println!("background redistribution of a 256 MiB constant item under jacobi, median of {reps} jobs, {transport}");
     println!(
         "{:>6} {:>10} | {:>10} {:>8} {:>12} | {:>14}",
         "pair", "method", "overlapped", "omega", "move ms", "blocking ms"

@@ -188,6 +188,20 @@ impl Pacer {
 }
 
 impl Move<'_> {
+    /// Populates a part that the transport is about to fill, unless the transport's own
+    /// copies do it (`Capabilities::populates`: several threads then fault the pages in
+    /// at once, where this would do it ahead of them on one) and the move is not paced.
+    /// A paced move populates here, ahead of its copies (which then find the pages
+    /// there and leave them): with the copies populating, a background 2→4 collective
+    /// over fabric shm slowed the solver by ω 1.45-2.31 (8 jobs), against 1.13-1.23
+    /// (4 jobs) populated here, and overlapped a third as many iterations. Why the
+    /// pacing holds the one and not the other was not established.
+    fn prepare(&self, part: &mut Part) {
+        if !self.t.populates() || Pacer::new(self.share).paced() {
+            crate::block::populate(part.as_mut_slice());
+        }
+    }
+
     fn my_old(&self) -> Option<u32> {
         u32::try_from(self.t.rank()).ok().filter(|&r| r < self.old_n)
     }
@@ -288,7 +302,7 @@ impl Move<'_> {
         let grant = |src: usize, pending: &mut Vec<(usize, std::vec::IntoIter<Range<usize>>)>| {
             let seg = pending.iter_mut().find(|(s, _)| *s == src).and_then(|(_, segs)| segs.next());
             let mut part = lend(seg.ok_or_else(|| plan_error("grant without a segment"))?)?;
-            prepare(t, &mut part);
+            self.prepare(&mut part);
             let landed = t.post_in_place(src, self.tag, part)?;
             Ok::<_, Error>(async move {
                 t.send_tagged(src, self.done_tag, Bytes::new()).await?;
@@ -355,7 +369,7 @@ impl Move<'_> {
                 match (&landing, inc[src].get(round)) {
                     (Some(l), Some(seg)) => {
                         let mut part = l.part(seg.clone()).ok_or_else(|| plan_error("overlapping segments"))?;
-                        prepare(t, &mut part);
+                        self.prepare(&mut part);
                         let landed = t.post_in_place(src, self.tag, part)?;
                         recvs.push(Box::pin(async move { landed.await.map(drop) }));
                     }
@@ -457,7 +471,7 @@ impl Move<'_> {
                     fetches.push(async move {
                         let mut parts = parts;
                         for (_, part) in &mut parts {
-                            prepare(t, part);
+                            self.prepare(part);
                         }
                         let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
                         let id = window_id(&b, src)?;
@@ -474,7 +488,7 @@ impl Move<'_> {
                     let offset = (at + seg.start - range.start) as u64;
                     let mut part = lend(seg)?;
                     gets.push(async move {
-                        prepare(t, &mut part);
+                        self.prepare(&mut part);
                         t.get_into(src, id, offset, part).await
                     });
                 }
@@ -523,15 +537,6 @@ fn segments(r: Range<usize>, len: usize) -> impl Iterator<Item = Range<usize>> {
 fn round_robin(counts: &[(usize, usize)]) -> Vec<usize> {
     let most = counts.iter().map(|c| c.1).max().unwrap_or(0);
     (0..most).flat_map(|i| counts.iter().filter(move |c| i < c.1).map(|c| c.0)).collect()
-}
-
-/// Populates a part that the transport is about to fill, unless the transport's own
-/// copies do it (`Capabilities::populates`: several threads then fault the pages in at
-/// once, where this would do it ahead of them on one).
-fn prepare(t: &AsyncGroup, part: &mut Part) {
-    if !t.populates() {
-        crate::block::populate(part.as_mut_slice());
-    }
 }
 
 fn plan_error(what: &str) -> Error {

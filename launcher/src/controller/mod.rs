@@ -313,17 +313,25 @@ impl Ctl {
         Ok(())
     }
 
-    /// Sends to agent `a`; a failure ends the job.
+    /// Sends to agent `a`. Failing to reach an agent that is not connected ends the job;
+    /// a failed write to a connected one is left to what its connection says last.
     async fn send(&mut self, a: usize, msg: &ToAgent) {
         let ag = &mut self.agents[a];
-        let res = match ag.tx.as_mut() {
-            Some(tx) => nonblocking::write_msg(tx, msg).await.map_err(|e| e.to_string()),
-            None => Err("it is not connected".to_string()),
+        let (res, connected) = match ag.tx.as_mut() {
+            Some(tx) => (nonblocking::write_msg(tx, msg).await.map_err(|e| e.to_string()), true),
+            None => (Err("it is not connected".to_string()), false),
         };
         if let Err(e) = res {
             if ag.abandoned {
                 // Its growth was abandoned and it is ending anyway (it may be gone).
                 tracing::debug!("node {}: the agent of an abandoned growth is gone ({e})", ag.node);
+            } else if connected || ag.done {
+                // The agent is gone or going, and what it sent before is still to be
+                // read: its connection ends with `Done` (its ranks all finished: the
+                // application may have ended as this was sent) or is lost, which ends
+                // the job if it still had ranks (`Event::Lost`). A write that failed
+                // first used to end a job whose application had just finished.
+                tracing::debug!("node {}: cannot reach its agent ({e}); its connection's end decides", ag.node);
             } else if self.ending.is_none() {
                 self.ending = Some(Ending::Node(ag.node, format!("cannot reach its agent ({e})")));
             }
