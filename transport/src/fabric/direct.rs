@@ -214,9 +214,14 @@ mod tests {
         assert!(!off.on());
     }
 
-    /// Two shm endpoints of one job in this process.
-    fn shm_pair() -> Vec<(Arc<super::super::FabricTransport>, crate::Endpoint)> {
+    /// Two shm endpoints of one job in this process; none (said loudly) if copies are
+    /// turned off for the run.
+    fn shm_pair() -> Option<Vec<(Arc<super::super::FabricTransport>, crate::Endpoint)>> {
         use crate::auth::Identity;
+        if std::env::var("DUCTILE_FABRIC_DIRECT").as_deref() == Ok("never") {
+            eprintln!("SKIPPED: DUCTILE_FABRIC_DIRECT=never turns direct copies off");
+            return None;
+        }
         use crate::{JobId, JobKey, Mailbox, Rank, Transport, TransportConfig, TransportSetup};
         let eps: Vec<_> = (0..2)
             .map(|r| {
@@ -232,18 +237,14 @@ mod tests {
         for (t, _) in &eps {
             t.set_peers(&table).unwrap();
         }
-        eps
+        Some(eps)
     }
 
     #[tokio::test]
     async fn shm_gets_and_rendezvous_messages_are_copied_directly() {
         use crate::matching::{Pattern, SrcMatch, TagMatch};
         use crate::{Context, Rank, Tag, Transport};
-        if std::env::var("DUCTILE_FABRIC_DIRECT").as_deref() == Ok("never") {
-            eprintln!("SKIPPED: DUCTILE_FABRIC_DIRECT=never turns direct copies off");
-            return;
-        }
-        let eps = shm_pair();
+        let Some(eps) = shm_pair() else { return };
         let (t0, e0) = &eps[0];
         let (t1, e1) = &eps[1];
         assert!(!t0.capabilities().serial_reads, "readers copy by themselves: no turns");
@@ -274,11 +275,7 @@ mod tests {
     #[tokio::test]
     async fn a_refused_copy_is_read_with_fi_read_and_so_are_the_later_ones() {
         use crate::{Rank, Transport};
-        if std::env::var("DUCTILE_FABRIC_DIRECT").as_deref() == Ok("never") {
-            eprintln!("SKIPPED: DUCTILE_FABRIC_DIRECT=never turns direct copies off");
-            return;
-        }
-        let eps = shm_pair();
+        let Some(eps) = shm_pair() else { return };
         let (t0, e0) = &eps[0];
         let (t1, _) = &eps[1];
         let data = bytes::Bytes::from((0..1 << 20).map(|i: u32| (i % 241) as u8).collect::<Vec<u8>>());
