@@ -13,10 +13,13 @@
 //!
 //! A copy is not made where the reader learns of it: rendezvous announcements arrive
 //! inside the completion handler, holding a receive slot and sometimes locks that
-//! delivery takes again. It is queued, and made by the next poll of the completion queue
-//! after its batch of completions ([`Inner::run_direct`]), by whichever thread polls:
-//! an application thread waiting for it (a queued copy counts as a transfer in flight,
-//! so waiting threads keep polling), or the progress thread. Where the kernel refuses
+//! delivery takes again. It is queued, one copy per chunk of at most a read's size, and
+//! made by the next poll of the completion queue after its batch of completions
+//! ([`Inner::run_direct`]), by whichever thread polls: an application thread waiting
+//! for it (a queued copy counts as a transfer in flight, so waiting threads keep
+//! polling), or the progress thread, which helps while the application polls. Each copy
+//! populates its fresh destination pages first (`ReadDest::populate`), so the threads
+//! making copies also fault pages in side by side. Where the kernel refuses
 //! such copies (`EPERM`, e.g. Yama's `ptrace_scope`; `ENOSYS`), the endpoint stops
 //! making them and reads with `fi_read` from then on, this copy first. A copy from an
 //! owner that has gone (`ESRCH`) or outside its memory (`EFAULT`) fails as a read would.
