@@ -136,6 +136,11 @@ fn mismatched_registrations_fail_every_rank_with_the_reason() {
 /// 256 MiB moved 2 -> 4 -> 1 -> 8 -> 2: every process checks that its peak memory grew
 /// by at most its incoming blocks plus 64 MiB at every change.
 fn check_memory(method: &str) {
+    check_memory_with(method, &[]);
+}
+
+/// As [`check_memory`], with `env` set for the job.
+fn check_memory_with(method: &str, env: &[(&str, &str)]) {
     let prog = ex("redist");
     let args = [
         "run",
@@ -159,10 +164,33 @@ fn check_memory(method: &str) {
         "--large",
         "33554432",
     ];
-    let out = run(&args);
+    let out = ductile(&args).envs(env.iter().copied()).output().expect("start ductile");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{method}: {}\n{text}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("peak memory beyond the incoming blocks"), "{text}");
+    assert!(text.contains("redist: 4 changes by"), "{text}");
+}
+
+#[test]
+fn huge_pages_keep_blocks_intact_and_peak_memory_within_the_bound() {
+    // Blocks of 16 MiB and more get transparent huge pages when the kernel has them free
+    // (and plain pages otherwise): the same bytes, the same memory bound.
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    let before = thp_faults();
+    check_memory_with("p2p", &[("DUCTILE_HUGE_PAGES", "1")]);
+    if thp.contains("[never]") || thp.is_empty() {
+        eprintln!("NOTE: transparent huge pages are off on this machine: only plain pages were tested");
+    } else {
+        // Only processes that ask get huge pages under `madvise`, and with `always`
+        // these blocks do as well: either way some must have come.
+        assert!(thp_faults() > before, "no huge page was faulted in (THP: {thp:?})");
+    }
+}
+
+/// Huge pages faulted in on this machine so far (`/proc/vmstat`).
+fn thp_faults() -> u64 {
+    let vmstat = std::fs::read_to_string("/proc/vmstat").unwrap_or_default();
+    vmstat.lines().find_map(|l| l.strip_prefix("thp_fault_alloc ")?.trim().parse().ok()).unwrap_or(0)
 }
 
 #[test]

@@ -3,16 +3,16 @@
 //! A block a change brings is written once into memory no one has touched, so every
 //! 4 KiB page costs a fault; on this project's VM filling fresh memory runs at about
 //! 1.5 GB/s against 9.8 GB/s for warm memory (redistribution bench references).
-//! Transparent huge pages (`MADV_HUGEPAGE` on a dedicated mapping) were measured and
-//! rejected: with the usual `defrag=madvise` setting the faulting thread compacts
-//! memory itself, and a 256 MiB move took 100-570 ms instead of a steady 150-160 ms
-//! (docs/BENCHMARKS.md). Prefaulting the whole new block with `MAP_POPULATE` before
-//! the move gave the same 150-160 ms. Plain allocations it is (large ones are fresh
-//! mappings from the allocator), each piece populated just before data is copied into it
-//! ([`fill`]): 10-15 % faster shrinks over tcp (8 → 2 collective 1.70 → 1.98 GB/s,
-//! single runs of the redistribution bench's job).
+//! Prefaulting the whole new block with `MAP_POPULATE` before the move gave nothing.
+//! Plain allocations it is (large ones are fresh mappings from the allocator), each
+//! piece populated just before data is copied into it ([`fill`]): 10-15 % faster
+//! shrinks over tcp (8 → 2 collective 1.70 → 1.98 GB/s, single runs of the
+//! redistribution bench's job). Transparent huge pages are there on request
+//! (`DUCTILE_HUGE_PAGES=1`, [`advise_huge`]): twice as fast when the hypervisor has
+//! backed the memory, several times slower when it has not.
 
 use ductile_transport::Landing;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// Bytes with 8-byte alignment.
@@ -29,9 +29,14 @@ impl AsRef<[u8]> for Aligned {
 }
 
 impl Aligned {
-    /// `len` zero bytes.
+    /// `len` zero bytes. A large block's memory gets transparent huge pages when the
+    /// kernel has them free (see [`advise_huge`]).
     pub(crate) fn zeroed(len: usize) -> Self {
-        Self { words: vec![0u64; len.div_ceil(8)], len }
+        let mut a = Self { words: vec![0u64; len.div_ceil(8)], len };
+        if len >= HUGE_MIN && HUGE_PAGES.load(Ordering::Relaxed) {
+            advise_huge(a.bytes_mut());
+        }
+        a
     }
 
     /// A copy of `b`.
@@ -59,6 +64,66 @@ impl Aligned {
         let len = landing.len();
         Landing::into_words(landing).ok().map(|words| Self { words, len })
     }
+}
+
+/// Blocks of at least this many bytes are given huge pages ([`advise_huge`]).
+const HUGE_MIN: usize = 16 << 20;
+/// A transparent huge page (x86-64, aarch64 with 4 KiB pages).
+const HUGE_PAGE: usize = 2 << 20;
+/// Whether large blocks get huge pages (`DUCTILE_HUGE_PAGES`, set by `init`; off by
+/// default, see [`advise_huge`]).
+static HUGE_PAGES: AtomicBool = AtomicBool::new(false);
+
+/// Turns huge pages for large blocks on or off (`DUCTILE_HUGE_PAGES`).
+pub(crate) fn set_huge_pages(on: bool) {
+    HUGE_PAGES.store(on, Ordering::Relaxed);
+}
+
+/// Asks for transparent huge pages (`MADV_HUGEPAGE`) on the 2 MiB-aligned inside of
+/// `mem`, memory no one has touched yet, if the kernel has at least twice that many free
+/// ([`huge_pages_free`]).
+///
+/// Filling fresh memory costs a fault per 4 KiB page ([`fill`]): populating 256 MiB
+/// took 81 ms on this project's VM, and with huge pages 11 ms, so a 4 → 1 collective
+/// over tcp ran at 4.7-5.2 GB/s instead of 2.2-2.4. When none is free, though, the
+/// faulting thread compacts memory itself (the usual `defrag=madvise` setting), so huge
+/// pages are asked for only when they are there. Off by default: on that VM a huge
+/// page the hypervisor has not backed yet took 565 ms to populate 256 MiB, and huge
+/// pages came from such memory in about a third of the jobs, which then ran at 0.6-1.2
+/// GB/s (docs/BENCHMARKS.md). Worth turning on for bare-metal nodes.
+fn advise_huge(mem: &mut [u8]) {
+    let addr = mem.as_mut_ptr() as usize;
+    let start = addr.next_multiple_of(HUGE_PAGE);
+    let end = (addr + mem.len()) / HUGE_PAGE * HUGE_PAGE;
+    if end <= start || huge_pages_free() < 2 * (end - start) / HUGE_PAGE {
+        return;
+    }
+    // SAFETY: [start, end) lies inside `mem`, memory of this process that we borrow
+    // mutably; the advice changes how its pages are backed, never its bytes.
+    let rc = unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    // A kernel without transparent huge pages refuses it: plain pages then.
+    let _ = rc;
+}
+
+/// Free 2 MiB blocks of physical memory, by `/proc/buddyinfo` (0 if unreadable).
+fn huge_pages_free() -> usize {
+    std::fs::read_to_string("/proc/buddyinfo").map_or(0, |text| free_huge_in(&text))
+}
+
+/// Free 2 MiB blocks in a `/proc/buddyinfo` text: per zone, the free blocks of order
+/// 9 (2 MiB with 4 KiB pages) and up, each order counting twice the one below.
+fn free_huge_in(buddyinfo: &str) -> usize {
+    const ORDER: usize = 9;
+    buddyinfo
+        .lines()
+        .filter_map(|l| l.split_once("zone").map(|(_, rest)| rest))
+        .flat_map(|rest| {
+            // After "zone": the zone's name, then the free blocks of order 0, 1, ...
+            rest.split_whitespace().skip(1).enumerate().skip(ORDER).filter_map(|(order, n)| {
+                n.parse::<usize>().ok().map(|n| n.saturating_mul(1usize << (order - ORDER).min(20)))
+            })
+        })
+        .fold(0usize, usize::saturating_add)
 }
 
 /// Copies `src` into `dst`, memory that may never have been touched (a new block). Its
@@ -111,6 +176,32 @@ mod tests {
             let c = a.clone();
             assert!(c.bytes().iter().enumerate().all(|(i, &b)| b == i as u8));
         }
+    }
+
+    #[test]
+    fn free_huge_pages_are_counted_from_order_nine_up() {
+        let text = "Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3 \n\
+                    Node 0, zone    DMA32      1      1      4      2      5      4      3      3      4      2    752 \n\
+                    Node 0, zone   Normal      3      1      0    900    307    116     51     91     65      1    490 \n";
+        // Order 9 counts 1, order 10 counts 2: DMA 1 + 2 * 3, DMA32 2 + 2 * 752, Normal 1 + 2 * 490.
+        assert_eq!(free_huge_in(text), 7 + 1506 + 981);
+        assert_eq!(free_huge_in(""), 0);
+        assert_eq!(free_huge_in("Node 0, zone Normal 1 2 3\ngarbage\nNode 0, zone x 1 1 1 1 1 1 1 1 1 z 1"), 2);
+        assert!(huge_pages_free() < usize::MAX);
+    }
+
+    #[test]
+    fn large_blocks_are_zero_with_or_without_huge_pages() {
+        for on in [true, false] {
+            set_huge_pages(on);
+            let mut a = Aligned::zeroed(HUGE_MIN + 3 * HUGE_PAGE + 12_345);
+            assert!(a.bytes().iter().all(|&b| b == 0));
+            let len = a.bytes().len();
+            fill(&mut a.bytes_mut()[100..len - 100], &vec![7u8; len - 200]);
+            assert!(a.bytes()[100..len - 100].iter().all(|&b| b == 7));
+            assert!(a.bytes()[..100].iter().chain(&a.bytes()[len - 100..]).all(|&b| b == 0));
+        }
+        set_huge_pages(false);
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! | `DUCTILE_THREADS` | progress threads per process | [`DEFAULT_THREADS`] |
 //! | `DUCTILE_TIMEOUT` | timeout of every wait of a standalone process, s (launched ranks get theirs from the launcher) | [`DEFAULT_TIMEOUT_SECS`] |
 //! | `DUCTILE_BACKGROUND_SHARE` | share of the time a background redistribution may keep the processes busy, in (0, 1]; 1 moves at full speed | [`DEFAULT_BACKGROUND_SHARE`] |
+//! | `DUCTILE_HUGE_PAGES` | `1`: new blocks of registered data of 16 MiB and more get transparent huge pages when the kernel has them free (see `block`) | `0` |
 //! | `DUCTILE_MALLOC_TUNING` | `0` leaves glibc's allocator settings alone (see `init`) | `1` |
 //! | `DUCTILE_CONTROL_FD` | set by the agent: the control channel's descriptor | unset (standalone) |
 
@@ -44,6 +45,8 @@ pub struct EnvSettings {
     pub control_fd: Option<i32>,
     /// Whether `init` tunes the allocator for large messages.
     pub malloc_tuning: bool,
+    /// Whether large new blocks may get transparent huge pages.
+    pub huge_pages: bool,
     /// Share of the time a background redistribution may keep busy, in (0, 1].
     pub background_share: f64,
 }
@@ -77,6 +80,7 @@ impl EnvSettings {
             timeout: Duration::from_secs(parse("DUCTILE_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT_SECS)),
             control_fd: parse(crate::bootstrap::CONTROL_FD_ENV)?,
             malloc_tuning: parse::<u8>("DUCTILE_MALLOC_TUNING")?.unwrap_or(1) != 0,
+            huge_pages: parse::<u8>("DUCTILE_HUGE_PAGES")?.unwrap_or(0) != 0,
         })
     }
 

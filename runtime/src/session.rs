@@ -212,6 +212,7 @@ pub fn init() -> Result<Session> {
     if env.malloc_tuning {
         tune_malloc();
     }
+    crate::block::set_huge_pages(env.huge_pages);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(env.threads)
         .thread_name("ductile-progress")
