@@ -82,6 +82,7 @@ fn bad_command_lines_get_one_clear_line() {
         (&["run", "-n", "2", "--nodes", "3", "--", "true"], "3 nodes need at least 3 ranks"),
         (&["run", "-n", "x", "--", "true"], "invalid value 'x'"),
         (&["run", "--timeout", "0", "--", "true"], "--timeout must be at least 1"),
+        (&["run", "-n", "2", "--hostfile", "hosts", "true"], "unknown option --hostfile"),
     ];
     for (args, want) in cases {
         let out = run(args);
@@ -89,6 +90,13 @@ fn bad_command_lines_get_one_clear_line() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: {err}");
+    }
+    for (var, value) in [("DUCTILE_SPIN_US", "x"), ("DUCTILE_BACKGROUND_SHARE", "2"), ("DUCTILE_HUGE_PAGES", "yes")] {
+        let out = ductile(&["run", "-n", "2", "--", "true"]).env(var, value).output().expect("start ductile");
+        assert!(!out.status.success(), "{var}={value} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.lines().count(), 1, "{var}={value}: {err}");
+        assert!(err.contains(var) && err.contains("the ranks would inherit it"), "{var}={value}: {err}");
     }
     let out = run(&["run", "-n", "6", "--dry-run", "--", "true"]);
     assert!(out.status.success());

@@ -189,10 +189,13 @@ pub fn resolve_program(name: &str) -> Result<PathBuf, String> {
         return std::path::absolute(p).map_err(|e| format!("{name}: {e}"));
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|d| d.join(name))
-        .find(|p| runnable(p))
-        .ok_or_else(|| format!("program not found on PATH: {name}"))
+    std::env::split_paths(&path).map(|d| d.join(name)).find(|p| runnable(p)).ok_or_else(|| {
+        match name.starts_with('-') {
+            // Options go before the program, so this one is not an option of `run`.
+            true => format!("unknown option {name} (see ductile run --help)"),
+            false => format!("program not found on PATH: {name}"),
+        }
+    })
 }
 
 impl RunArgs {
@@ -229,6 +232,9 @@ impl RunArgs {
         if self.timeout == Some(0) {
             return Err("--timeout must be at least 1 second".into());
         }
+        // The ranks inherit this environment: a setting they would refuse fails the job
+        // here, before any process starts.
+        ductile::env::EnvSettings::from_env().map_err(|e| format!("{e} (the ranks would inherit it)"))?;
         Ok(JobSpec {
             layout,
             slots,
