@@ -83,6 +83,8 @@ fn bad_command_lines_get_one_clear_line() {
         (&["run", "-n", "x", "--", "true"], "invalid value 'x'"),
         (&["run", "--timeout", "0", "--", "true"], "--timeout must be at least 1"),
         (&["run", "-n", "2", "--hostfile", "hosts", "true"], "unknown option --hostfile"),
+        (&["run", "--report", "/nonexistent-dir/r.json", "--", "true"], "/nonexistent-dir is not a directory"),
+        (&["run", "--report", "/tmp", "--", "true"], "cannot write the report to /tmp: it is a directory"),
     ];
     for (args, want) in cases {
         let out = run(args);

@@ -198,6 +198,27 @@ pub fn resolve_program(name: &str) -> Result<PathBuf, String> {
     })
 }
 
+/// Fails unless the report can be written at `path` when the job ends (a long job must
+/// not lose its report to a typo): its directory exists and is writable, and `path` is
+/// not a directory.
+fn check_report_path(path: &Path) -> Result<(), String> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let cannot = |why: String| Err(format!("cannot write the report to {}: {why}", path.display()));
+    if !dir.is_dir() {
+        return cannot(format!("{} is not a directory", dir.display()));
+    }
+    if path.is_dir() {
+        return cannot("it is a directory".into());
+    }
+    match nix::unistd::access(dir, nix::unistd::AccessFlags::W_OK) {
+        Ok(()) => Ok(()),
+        Err(e) => cannot(format!("{}: {}", dir.display(), e.desc())),
+    }
+}
+
 impl RunArgs {
     /// Checks the arguments and builds the job.
     ///
@@ -231,6 +252,9 @@ impl RunArgs {
         let program = command.next().ok_or("no program given (usage: ductile run [OPTIONS] -- PROGRAM [ARGS...])")?;
         if self.timeout == Some(0) {
             return Err("--timeout must be at least 1 second".into());
+        }
+        if let Some(path) = &self.report {
+            check_report_path(path)?;
         }
         // The ranks inherit this environment: a setting they would refuse fails the job
         // here, before any process starts.
