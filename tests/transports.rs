@@ -73,3 +73,22 @@ fn jacobi_resizes_and_rma_redistribution_over_every_transport() {
         }
     }
 }
+
+#[test]
+fn ranks_that_exit_without_closing_leave_no_shm_regions() {
+    // libfabric's shm provider unlinks an endpoint's /dev/shm region only when the
+    // endpoint closes or a fatal signal reaches it: a rank that exits with its
+    // endpoint open (here rank 1, code 3) left it behind until the agent removed it.
+    if !ductile_transport::transport::backends().contains(&"fabric") {
+        eprintln!("NOTE: this build has no fabric transport: nothing to test");
+        return;
+    }
+    let report = tmp("t-shm-exit.json");
+    let prog = ex("fault");
+    let mut args = vec!["run", "-n", "3", "--nodes", "3", "--timeout", "60", "--report", report.to_str().unwrap()];
+    args.extend(["--transport", "fabric", "--fabric-provider", "shm", "--", &prog, "exit", "1", "3"]);
+    let out = run(&args);
+    assert_eq!(out.status.code(), Some(3), "{}", String::from_utf8_lossy(&out.stderr));
+    // No process left, and no region of any of them (see common::assert_no_survivors).
+    assert_no_survivors(&report);
+}

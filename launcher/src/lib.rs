@@ -15,6 +15,7 @@
 //! shrinking ends whole node worlds first.
 
 pub mod agent;
+pub mod cleanup;
 pub mod cli;
 pub mod controller;
 pub mod layout;

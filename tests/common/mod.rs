@@ -110,12 +110,20 @@ pub fn read_report(report: &std::path::Path) -> serde_json::Value {
     serde_json::from_str(&text).expect("report is JSON")
 }
 
-/// Every pid in a report is gone.
+/// Every pid in a report is gone, and none left a libfabric shm region in `/dev/shm`
+/// (`<pid>:<n>:<n>`).
 pub fn assert_no_survivors(report: &std::path::Path) {
     let pids = report_pids(&read_report(report));
     assert!(!pids.is_empty());
-    let alive: Vec<u64> = pids.into_iter().filter(|&p| is_alive(p)).collect();
+    let alive: Vec<u64> = pids.iter().copied().filter(|&p| is_alive(p)).collect();
     assert!(alive.is_empty(), "processes of the job still running: {alive:?}");
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| d.flatten().filter_map(|e| e.file_name().into_string().ok()).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|n| n.split_once(':').and_then(|(p, _)| p.parse::<u64>().ok()).is_some_and(|p| pids.contains(&p)))
+        .collect();
+    assert!(left.is_empty(), "shared-memory regions of the job left in /dev/shm: {left:?}");
 }
 
 pub fn wait_with_timeout(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {

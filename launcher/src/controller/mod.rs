@@ -250,6 +250,10 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     ctl.main_loop(&mut events).await?;
     let code = ctl.finish().await;
     let _ = std::fs::remove_file(&ctl.socket);
+    // Every rank has ended; an agent killed before its ranks could not clean up after
+    // them (see `cleanup`).
+    let pids: Vec<u32> = ctl.agents.iter().flat_map(|a| a.started.iter().map(|r| r.pid)).collect();
+    crate::cleanup::remove_shm_regions(&pids);
     if let Some(path) = &ctl.spec.report {
         if let Err(e) = ctl.report(code, started).write(path) {
             eprintln!("ductile: cannot write the report to {}: {e}", path.display());
