@@ -203,8 +203,8 @@ async fn start_rank(
             Ok(s) => Exit::from_status(s),
             Err(_) => Exit::Code(1),
         };
-        // Reaped: what its transport left behind is removed (see `cleanup`).
-        crate::cleanup::remove_shm_regions(&[pid]);
+        // Reaped: what its transport left behind is removed (see `shm_regions`).
+        ductile_transport::shm_regions::remove(&[pid]);
         let _ = tx.send((id, exit));
     });
     let channel = ours.set_nonblocking(true).and_then(|()| UnixStream::from_std(ours));

@@ -15,7 +15,6 @@
 //! shrinking ends whole node worlds first.
 
 pub mod agent;
-pub mod cleanup;
 pub mod cli;
 pub mod controller;
 pub mod layout;

@@ -29,6 +29,7 @@ pub mod matching;
 pub mod mem;
 #[cfg(feature = "quic")]
 pub mod quic;
+pub mod shm_regions;
 mod sys;
 pub mod tcp;
 pub mod transport;

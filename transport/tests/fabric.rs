@@ -102,3 +102,36 @@ async fn a_joiner_not_in_the_table_is_authenticated_and_answered() {
         }
     }
 }
+
+/// Set in the child process of `a_dead_process_region_with_our_pid_is_replaced`.
+const CHILD: &str = "DUCTILE_TEST_STALE_REGION_CHILD";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_process_region_with_our_pid_is_replaced() {
+    // libfabric 1.17 crashed opening an shm endpoint over a region a dead process with
+    // the same pid left in /dev/shm. The bind must be this process's first shm bind, so
+    // the case runs in a child process of its own (this test binary, this test only).
+    if std::env::var_os(CHILD).is_some() {
+        let stale = format!("/dev/shm/{}:0:0", std::process::id());
+        std::fs::write(&stale, vec![0xa5u8; 4096]).unwrap();
+        let eps = job("shm");
+        eps[0].send(Rank(1), Context(0), Tag(1), Bytes::from_static(b"over")).await.unwrap();
+        let pattern = Pattern { ctx: Context(0), src: SrcMatch::Rank(Rank(0)), tag: TagMatch::Tag(Tag(1)) };
+        assert_eq!(eps[1].recv(pattern, T).await.unwrap().payload, &b"over"[..]);
+        // The stale bytes are gone: the region there now is the endpoint's own.
+        let now = std::fs::read(&stale).unwrap_or_default();
+        assert!(now.len() != 4096 || now.iter().any(|&b| b != 0xa5), "the stale region is still there");
+        for e in &eps {
+            e.transport().close().await;
+        }
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "a_dead_process_region_with_our_pid_is_replaced", "--nocapture"])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the child failed: {text}");
+    assert!(text.contains("1 passed"), "{text}");
+}

@@ -251,9 +251,9 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     let code = ctl.finish().await;
     let _ = std::fs::remove_file(&ctl.socket);
     // Every rank has ended; an agent killed before its ranks could not clean up after
-    // them (see `cleanup`).
+    // them (see `shm_regions`).
     let pids: Vec<u32> = ctl.agents.iter().flat_map(|a| a.started.iter().map(|r| r.pid)).collect();
-    crate::cleanup::remove_shm_regions(&pids);
+    ductile_transport::shm_regions::remove(&pids);
     if let Some(path) = &ctl.spec.report {
         if let Err(e) = ctl.report(code, started).write(path) {
             eprintln!("ductile: cannot write the report to {}: {e}", path.display());

@@ -212,6 +212,17 @@ impl FabricTransport {
             }
         })?;
         let attrs = info.attrs();
+        if attrs.provider == "shm" {
+            // Before this process's first shm endpoint, regions named for its pid can only
+            // be a dead process's, and libfabric crashes opening an endpoint over one.
+            static FIRST: std::sync::Once = std::sync::Once::new();
+            FIRST.call_once(|| {
+                let stale = crate::shm_regions::remove(&[std::process::id()]);
+                if stale > 0 {
+                    tracing::warn!("removed {stale} shm region(s) left in /dev/shm by a dead process with this pid");
+                }
+            });
+        }
         if attrs.max_msg_size < MIN_MSG {
             return Err(bind_err(format!("its messages are capped at {} bytes", attrs.max_msg_size)));
         }

@@ -1,26 +1,31 @@
-//! What a rank leaves behind when it ends without closing its transport: libfabric's
-//! `shm` provider keeps each endpoint's region in `/dev/shm` as `<pid>:<n>:<n>` (16 MiB
-//! of address space each) and unlinks it only when the endpoint is closed or a fatal
-//! signal reaches its handler. A rank that calls `exit` with its endpoint open, aborts,
-//! or is killed with SIGKILL leaves the file until the machine reboots; a later process
-//! with the same pid then cannot open an shm endpoint at all. So whoever reaps a rank
-//! removes its regions: the agent when its rank ends, and the controller for every rank
-//! of the job when the job ends (an agent may have been killed before it could).
+//! The `/dev/shm` regions of libfabric's `shm` provider, named `<pid>:<n>:<n>` (16 MiB
+//! of address space each) after the process that opened the endpoint. libfabric 1.17
+//! unlinks a region only when its endpoint is closed or a fatal signal reaches its
+//! handler, so a process that calls `exit` with its endpoint open, aborts, or is killed
+//! with SIGKILL leaves its region until the machine reboots. A later process that gets
+//! the same pid (`pid_max` is 32768 on many systems) then crashed in `fi_enable` here,
+//! whatever program it was. Hence:
+//! - the launcher's agent removes a rank's regions once it has reaped the rank, and the
+//!   controller those of every rank at the end of the job (an agent may have been
+//!   killed before it could);
+//! - the fabric backend removes regions named for its own pid before it opens its
+//!   endpoint: no live process in this pid namespace can have that pid, so they are a
+//!   dead process's.
 //!
-//! Only files named for a pid this launcher started and reaped, of this user, are
-//! touched.
+//! Only regular files of this user, named for the given pids, are touched.
 
 use std::path::Path;
 
 /// Where libfabric's `shm` provider keeps its regions.
 const SHM_DIR: &str = "/dev/shm";
 
-/// Removes the `shm` regions of the ended processes `pids`; returns how many.
-pub fn remove_shm_regions(pids: &[u32]) -> usize {
+/// Removes the `shm` regions named for the processes `pids`, which must have ended (or be
+/// this process, before it opens an endpoint); returns how many.
+pub fn remove(pids: &[u32]) -> usize {
     remove_regions_in(Path::new(SHM_DIR), pids)
 }
 
-/// As [`remove_shm_regions`], in `dir`.
+/// As [`remove`], in `dir`.
 fn remove_regions_in(dir: &Path, pids: &[u32]) -> usize {
     use std::os::unix::fs::MetadataExt;
     if pids.is_empty() {
