@@ -184,3 +184,24 @@ fn intruders_are_rejected_and_the_job_completes() {
     let rejected = err.lines().filter(|l| l.contains("rejected connection")).count();
     assert_eq!(rejected, 4, "{err}");
 }
+
+#[test]
+fn a_launcher_whose_output_is_closed_still_ends_the_job_cleanly() {
+    // `ductile run ... 2>&1 | head -1`: the reader of the launcher's stdout and stderr
+    // is gone. Printing its own messages used to panic the controller (exit 101), which
+    // left its control socket behind and lost the job's exit code and report.
+    let report = tmp("closed-output.json");
+    let mut child = fault_job(Some(60), &report, &["exit", "1", "3"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    let status = wait_with_timeout(&mut child, Duration::from_secs(60));
+    assert_eq!(status.code(), Some(3), "{status:?}");
+    let v = common::read_report(&report);
+    let socket = v["control_socket"].as_str().expect("the control socket in the report");
+    assert!(!std::path::Path::new(socket).exists(), "{socket} left behind");
+    assert_no_survivors(&report);
+}

@@ -27,14 +27,14 @@ fn main() -> ExitCode {
         Err(e) => {
             let text = e.to_string();
             let first = text.lines().next().unwrap_or("bad arguments").trim_start_matches("error: ");
-            eprintln!("ductile: {first} (see ductile --help)");
+            ductile_launcher::say_errln!("ductile: {first} (see ductile --help)");
             return ExitCode::from(2);
         }
     };
     let rt = match runtime() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("ductile: cannot start: {e}");
+            ductile_launcher::say_errln!("ductile: cannot start: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -42,7 +42,7 @@ fn main() -> ExitCode {
         Command::Agent => match rt.block_on(ductile_launcher::agent::run()) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
-                eprintln!("ductile agent: {e:#}");
+                ductile_launcher::say_errln!("ductile agent: {e:#}");
                 ExitCode::FAILURE
             }
         },
@@ -56,18 +56,18 @@ fn main() -> ExitCode {
             let spec = match args.into_spec() {
                 Ok(s) => s,
                 Err(e) => {
-                    eprintln!("ductile: {e}");
+                    ductile_launcher::say_errln!("ductile: {e}");
                     return ExitCode::from(2);
                 }
             };
             if dry {
-                print!("{}", preview(&spec));
+                ductile_launcher::say!("{}", preview(&spec));
                 return ExitCode::SUCCESS;
             }
             match rt.block_on(ductile_launcher::controller::run(spec)) {
                 Ok(code) => exit(code),
                 Err(e) => {
-                    eprintln!("ductile: {e:#}");
+                    ductile_launcher::say_errln!("ductile: {e:#}");
                     ExitCode::FAILURE
                 }
             }

@@ -3,6 +3,44 @@
 use std::io::Write;
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 
+/// `eprint!` that never panics: the launcher's stderr may be a pipe whose reader has
+/// gone (`ductile run ... 2>&1 | head`), and a message it cannot print must not end the
+/// controller before it has ended the job and cleaned up.
+#[macro_export]
+macro_rules! say_err {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stderr(), $($arg)*);
+    }};
+}
+
+/// `eprintln!` that never panics (see [`say_err!`]).
+#[macro_export]
+macro_rules! say_errln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
+/// `print!` that never panics (see [`say_err!`]).
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+/// `println!` that never panics (see [`say_err!`]).
+#[macro_export]
+macro_rules! sayln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 /// Which of the agent's streams to write to.
 #[derive(Clone, Copy, Debug)]
 pub enum Stream {

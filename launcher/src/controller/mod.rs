@@ -221,7 +221,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
             }
         }
     });
-    eprintln!("ductile: job {job}, control socket {}", socket.display());
+    crate::say_errln!("ductile: job {job}, control socket {}", socket.display());
     let nodes: Vec<NodeId> = spec.layout.nodes.iter().flat_map(|n| n.ranks.clone().map(move |_| n.node)).collect();
     let state = JobState::initial(nodes, Vec::new(), spec.slots.clone());
     let policy = policy::build(&spec.policy, spec.period, spec.bounds);
@@ -256,7 +256,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     ductile_transport::shm_regions::remove(&pids);
     if let Some(path) = &ctl.spec.report {
         if let Err(e) = ctl.report(code, started).write(path) {
-            eprintln!("ductile: cannot write the report to {}: {e}", path.display());
+            crate::say_errln!("ductile: cannot write the report to {}: {e}", path.display());
         }
     }
     Ok(code)
@@ -498,7 +498,7 @@ impl Ctl {
     async fn finish(&mut self) -> i32 {
         let code = match &self.ending {
             Some(e) => {
-                eprintln!("ductile: {}", e.describe());
+                crate::say_errln!("ductile: {}", e.describe());
                 if let Some(f) = self.flight.take() {
                     f.fail(&e.describe());
                 }
@@ -522,7 +522,7 @@ impl Ctl {
             signal_group(a.pid, libc::SIGKILL);
         }
         if !self.done.is_empty() {
-            eprint!("ductile: reconfigurations of job {}:\n{}", self.job, report::table(&self.done));
+            crate::say_err!("ductile: reconfigurations of job {}:\n{}", self.job, report::table(&self.done));
         }
         code
     }

@@ -156,7 +156,7 @@ pub async fn request(job: &str, target: Target, wait: Duration) -> i32 {
         match job.parse::<JobId>() {
             Ok(id) => socket_path(id),
             Err(_) => {
-                eprintln!("ductile: {job:?} is neither a job id nor a socket path");
+                crate::say_errln!("ductile: {job:?} is neither a job id nor a socket path");
                 return 2;
             }
         }
@@ -164,37 +164,42 @@ pub async fn request(job: &str, target: Target, wait: Duration) -> i32 {
     let s = match UnixStream::connect(&path).await {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("ductile: cannot reach job {job} at {}: {e} (is it running?)", path.display());
+            crate::say_errln!("ductile: cannot reach job {job} at {}: {e} (is it running?)", path.display());
             return 1;
         }
     };
     let (mut rx, mut tx) = s.into_split();
     if let Err(e) = nonblocking::write_msg(&mut tx, &Hello::Resize(target)).await {
-        eprintln!("ductile: cannot send the request: {e}");
+        crate::say_errln!("ductile: cannot send the request: {e}");
         return 1;
     }
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         match tokio::time::timeout_at(deadline, nonblocking::read_msg::<ResizeReply>(&mut rx)).await {
-            Ok(Ok(ResizeReply::Queued)) => eprintln!("ductile: resize to {target} queued for the next checkpoint"),
+            Ok(Ok(ResizeReply::Queued)) => {
+                crate::say_errln!("ductile: resize to {target} queued for the next checkpoint")
+            }
             Ok(Ok(ResizeReply::Done(s))) => {
-                println!("{s}");
+                crate::sayln!("{s}");
                 return 0;
             }
             Ok(Ok(ResizeReply::Refused(why))) => {
-                eprintln!("ductile: resize refused: {why}");
+                crate::say_errln!("ductile: resize refused: {why}");
                 return 1;
             }
             Ok(Ok(ResizeReply::Failed(why))) => {
-                eprintln!("ductile: resize failed: {why}");
+                crate::say_errln!("ductile: resize failed: {why}");
                 return 1;
             }
             Ok(Err(e)) => {
-                eprintln!("ductile: the job closed the connection before the resize was done ({e})");
+                crate::say_errln!("ductile: the job closed the connection before the resize was done ({e})");
                 return 1;
             }
             Err(_) => {
-                eprintln!("ductile: no answer within {}s (the job may not have reached a checkpoint)", wait.as_secs());
+                crate::say_errln!(
+                    "ductile: no answer within {}s (the job may not have reached a checkpoint)",
+                    wait.as_secs()
+                );
                 return 1;
             }
         }
