@@ -23,6 +23,15 @@ pub enum Output {
     Piped,
 }
 
+/// Switches read by the PSM libraries that Debian's libfabric links (`libinfinipath`,
+/// `libpsm2`): unless set, their constructors take over SIGSEGV, SIGBUS, SIGILL,
+/// SIGABRT, SIGINT and SIGTERM in every process that loads libfabric, print a backtrace
+/// and `exit(1)`. A rank over the fabric transport that aborted was then reported as
+/// "exited with code 1" instead of killed by signal 6, and SIGTERM no longer ended it
+/// as a signal. Open MPI sets the same two for the same reason; a value the user set is
+/// kept.
+const PSM_NO_BACKTRACE: [&str; 2] = ["IPATH_NO_BACKTRACE", "HFI_NO_BACKTRACE"];
+
 /// Starts `program args` with `channel` as its control channel, in a process group of
 /// its own if `new_group`, with the parent-death signal if `parent_death`.
 ///
@@ -40,6 +49,11 @@ pub fn spawn_with_channel(
     let parent = std::process::id();
     let mut cmd = Command::new(program);
     cmd.args(args).env(CONTROL_FD_ENV, CONTROL_FD.to_string()).stdin(Stdio::null()).kill_on_drop(false);
+    for var in PSM_NO_BACKTRACE {
+        if std::env::var_os(var).is_none() {
+            cmd.env(var, "1");
+        }
+    }
     if output == Output::Piped {
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     }
