@@ -205,3 +205,25 @@ fn a_launcher_whose_output_is_closed_still_ends_the_job_cleanly() {
     assert!(!std::path::Path::new(socket).exists(), "{socket} left behind");
     assert_no_survivors(&report);
 }
+
+#[test]
+fn sockets_of_jobs_that_are_gone_are_removed_and_live_ones_kept() {
+    // A controller killed with SIGKILL cannot remove its socket; the next job does.
+    use std::os::unix::fs::MetadataExt;
+    let uid = std::fs::metadata("/proc/self").unwrap().uid();
+    let dir = std::env::temp_dir().join(format!("ductile-{uid}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let stale = dir.join(format!("job-stale-{}.sock", std::process::id()));
+    let live = dir.join(format!("job-live-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&stale);
+    let _ = std::fs::remove_file(&live);
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    let listener = std::os::unix::net::UnixListener::bind(&live).unwrap();
+    assert!(stale.exists());
+    let out = run(&["run", "-n", "1", "--", &ex("hello")]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(!stale.exists(), "{} was left", stale.display());
+    assert!(live.exists(), "{} was removed", live.display());
+    drop(listener);
+    std::fs::remove_file(&live).unwrap();
+}

@@ -76,13 +76,37 @@ fn private_dir(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Removes the sockets in `dir` of jobs whose controller is gone: one killed with
+/// SIGKILL could not remove its own. A socket nobody listens on refuses connections;
+/// a live controller's accepts this probe and sees it close before its hello (which it
+/// ignores quietly).
+fn remove_stale(dir: &Path) {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let socket = e.file_type().is_ok_and(|t| t.is_socket());
+        if !(socket && name.starts_with("job-") && name.ends_with(".sock")) {
+            continue;
+        }
+        if let Err(err) = std::os::unix::net::UnixStream::connect(e.path()) {
+            if err.kind() == std::io::ErrorKind::ConnectionRefused && std::fs::remove_file(e.path()).is_ok() {
+                tracing::debug!("removed the socket of a job that is gone: {}", e.path().display());
+            }
+        }
+    }
+}
+
 /// Binds the job's socket and serves it; arrivals go into `tx`.
 ///
 /// # Errors
 /// The directory or socket cannot be made.
 pub fn serve(job: JobId, tx: mpsc::UnboundedSender<Arrival>) -> std::io::Result<PathBuf> {
     let path = socket_path(job);
-    private_dir(path.parent().unwrap_or(Path::new("/")))?;
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    private_dir(dir)?;
+    remove_stale(dir);
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path)?;
     tokio::spawn(async move {
@@ -119,6 +143,11 @@ async fn greet(s: UnixStream, tx: mpsc::UnboundedSender<Arrival>) {
     let (mut rx, mut wtx) = s.into_split();
     let hello = match tokio::time::timeout(HELLO_TIMEOUT, nonblocking::read_msg::<Hello>(&mut rx)).await {
         Ok(Ok(h)) => h,
+        // Closed before saying anything: another controller probing for stale sockets.
+        Ok(Err(ductile::bootstrap::ControlError::Io(e))) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            tracing::debug!("control socket: pid {pid} closed before its hello");
+            return;
+        }
         Ok(Err(e)) => {
             tracing::warn!("control socket: bad hello from pid {pid}: {e}");
             return;
