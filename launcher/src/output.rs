@@ -3,43 +3,33 @@
 use std::io::Write;
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 
-/// `eprint!` that never panics: the launcher's stderr may be a pipe whose reader has
-/// gone (`ductile run ... 2>&1 | head`), and a message it cannot print must not end the
-/// controller before it has ended the job and cleaned up.
+/// Writes to a standard stream without ever panicking: the launcher's stdout or stderr
+/// may be a pipe whose reader has gone (`ductile run ... 2>&1 | head`), and a message it
+/// cannot print must not end the controller before it has ended the job and cleaned up.
+#[doc(hidden)]
 #[macro_export]
-macro_rules! say_err {
-    ($($arg:tt)*) => {{
+macro_rules! __say {
+    ($stream:expr, $how:ident, $($arg:tt)*) => {{
         use std::io::Write as _;
-        let _ = write!(std::io::stderr(), $($arg)*);
+        let _ = $how!($stream, $($arg)*);
     }};
 }
 
-/// `eprintln!` that never panics (see [`say_err!`]).
+/// `eprint!` that never panics (see `__say!`).
 #[macro_export]
-macro_rules! say_errln {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
-    }};
-}
+macro_rules! say_err { ($($arg:tt)*) => { $crate::__say!(std::io::stderr(), write, $($arg)*) }; }
 
-/// `print!` that never panics (see [`say_err!`]).
+/// `eprintln!` that never panics (see `__say!`).
 #[macro_export]
-macro_rules! say {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = write!(std::io::stdout(), $($arg)*);
-    }};
-}
+macro_rules! say_errln { ($($arg:tt)*) => { $crate::__say!(std::io::stderr(), writeln, $($arg)*) }; }
 
-/// `println!` that never panics (see [`say_err!`]).
+/// `print!` that never panics (see `__say!`).
 #[macro_export]
-macro_rules! sayln {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stdout(), $($arg)*);
-    }};
-}
+macro_rules! say { ($($arg:tt)*) => { $crate::__say!(std::io::stdout(), write, $($arg)*) }; }
+
+/// `println!` that never panics (see `__say!`).
+#[macro_export]
+macro_rules! sayln { ($($arg:tt)*) => { $crate::__say!(std::io::stdout(), writeln, $($arg)*) }; }
 
 /// Which of the agent's streams to write to.
 #[derive(Clone, Copy, Debug)]
