@@ -204,7 +204,7 @@ async fn start_rank(
             Err(_) => Exit::Code(1),
         };
         // Reaped: what its transport left behind is removed (see `shm_regions`).
-        ductile_transport::shm_regions::remove(&[pid]);
+        ductile_transport::shm_regions::remove_ended(&[pid]);
         let _ = tx.send((id, exit));
     });
     let channel = ours.set_nonblocking(true).and_then(|()| UnixStream::from_std(ours));

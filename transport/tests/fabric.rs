@@ -112,7 +112,9 @@ async fn a_dead_process_region_with_our_pid_is_replaced() {
     // the same pid left in /dev/shm. The bind must be this process's first shm bind, so
     // the case runs in a child process of its own (this test binary, this test only).
     if std::env::var_os(CHILD).is_some() {
-        let stale = format!("/dev/shm/{}:0:0", std::process::id());
+        // libfabric names a region `<pid>:<uid>:<endpoint>`.
+        // SAFETY: getuid cannot fail.
+        let stale = format!("/dev/shm/{}:{}:0", std::process::id(), unsafe { libc::getuid() });
         std::fs::write(&stale, vec![0xa5u8; 4096]).unwrap();
         let eps = job("shm");
         eps[0].send(Rank(1), Context(0), Tag(1), Bytes::from_static(b"over")).await.unwrap();
@@ -121,6 +123,9 @@ async fn a_dead_process_region_with_our_pid_is_replaced() {
         // The stale bytes are gone: the region there now is the endpoint's own.
         let now = std::fs::read(&stale).unwrap_or_default();
         assert!(now.len() != 4096 || now.iter().any(|&b| b != 0xa5), "the stale region is still there");
+        // Regions this process has mapped are never taken for stale ones.
+        assert_eq!(ductile_transport::shm_regions::remove_own_stale(), 0);
+        assert!(std::path::Path::new(&stale).exists());
         for e in &eps {
             e.transport().close().await;
         }

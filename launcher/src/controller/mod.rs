@@ -247,13 +247,17 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     if let Err(e) = result {
         ctl.ending = Some(Ending::Reconfig(format!("cannot start the job: {e:#}")));
     }
-    ctl.main_loop(&mut events).await?;
+    if let Err(e) = ctl.main_loop(&mut events).await {
+        // Still ended as a whole below: its agents told to abort, its socket and regions
+        // removed.
+        ctl.ending.get_or_insert(Ending::Reconfig(format!("the controller failed: {e:#}")));
+    }
     let code = ctl.finish().await;
     let _ = std::fs::remove_file(&ctl.socket);
     // Every rank has ended; an agent killed before its ranks could not clean up after
     // them (see `shm_regions`).
     let pids: Vec<u32> = ctl.agents.iter().flat_map(|a| a.started.iter().map(|r| r.pid)).collect();
-    ductile_transport::shm_regions::remove(&pids);
+    ductile_transport::shm_regions::remove_ended(&pids);
     if let Some(path) = &ctl.spec.report {
         if let Err(e) = ctl.report(code, started).write(path) {
             crate::say_errln!("ductile: cannot write the report to {}: {e}", path.display());

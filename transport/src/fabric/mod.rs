@@ -213,11 +213,12 @@ impl FabricTransport {
         })?;
         let attrs = info.attrs();
         if attrs.provider == "shm" {
-            // Before this process's first shm endpoint, regions named for its pid can only
-            // be a dead process's, and libfabric crashes opening an endpoint over one.
+            // Before this process's first shm endpoint: regions named for its pid that it
+            // has not mapped are a dead process's, and libfabric crashes opening an
+            // endpoint over one (see `shm_regions`).
             static FIRST: std::sync::Once = std::sync::Once::new();
             FIRST.call_once(|| {
-                let stale = crate::shm_regions::remove(&[std::process::id()]);
+                let stale = crate::shm_regions::remove_own_stale();
                 if stale > 0 {
                     tracing::warn!("removed {stale} shm region(s) left in /dev/shm by a dead process with this pid");
                 }
