@@ -77,9 +77,11 @@ fn private_dir(dir: &Path) -> std::io::Result<()> {
 }
 
 /// Removes the sockets in `dir` of jobs whose controller is gone: one killed with
-/// SIGKILL could not remove its own. A socket nobody listens on refuses connections;
-/// a live controller's accepts this probe and sees it close before its hello (which it
-/// ignores quietly).
+/// SIGKILL could not remove its own. A socket nobody listens on refuses connections.
+/// The probe does not block (a live controller whose queue is full answers `EAGAIN` and
+/// is kept), and a live controller sees it close before its hello, which it ignores
+/// quietly. Jobs bind their socket under a temporary name and rename it once it listens
+/// ([`serve`]), so no probe meets one between its bind and its listen.
 fn remove_stale(dir: &Path) {
     use std::os::unix::fs::FileTypeExt;
     let Ok(entries) = std::fs::read_dir(dir) else { return };
@@ -90,10 +92,15 @@ fn remove_stale(dir: &Path) {
         if !(socket && name.starts_with("job-") && name.ends_with(".sock")) {
             continue;
         }
-        if let Err(err) = std::os::unix::net::UnixStream::connect(e.path()) {
-            if err.kind() == std::io::ErrorKind::ConnectionRefused && std::fs::remove_file(e.path()).is_ok() {
-                tracing::debug!("removed the socket of a job that is gone: {}", e.path().display());
-            }
+        let refused = socket2::SockAddr::unix(e.path()).and_then(|addr| {
+            let s = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)?;
+            s.set_nonblocking(true)?;
+            s.connect(&addr)
+        });
+        if refused.is_err_and(|err| err.kind() == std::io::ErrorKind::ConnectionRefused)
+            && std::fs::remove_file(e.path()).is_ok()
+        {
+            tracing::debug!("removed the socket of a job that is gone: {}", e.path().display());
         }
     }
 }
@@ -107,8 +114,11 @@ pub fn serve(job: JobId, tx: mpsc::UnboundedSender<Arrival>) -> std::io::Result<
     let dir = path.parent().unwrap_or(Path::new("/"));
     private_dir(dir)?;
     remove_stale(dir);
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path)?;
+    // Listening before it has its name (see `remove_stale`).
+    let binding = dir.join(format!(".binding-{job}"));
+    let _ = std::fs::remove_file(&binding);
+    let listener = UnixListener::bind(&binding)?;
+    std::fs::rename(&binding, &path)?;
     tokio::spawn(async move {
         loop {
             match listener.accept().await {
