@@ -199,24 +199,25 @@ pub fn resolve_program(name: &str) -> Result<PathBuf, String> {
 }
 
 /// Fails unless the report can be written at `path` when the job ends (a long job must
-/// not lose its report to a typo): its directory exists and is writable, and `path` is
-/// not a directory.
+/// not lose its report to a typo): an existing file must be writable, else its directory
+/// must exist and be writable.
 fn check_report_path(path: &Path) -> Result<(), String> {
+    use nix::unistd::{access, AccessFlags};
+    let cannot = |why: String| Err(format!("cannot write the report to {}: {why}", path.display()));
+    if path.is_dir() {
+        return cannot("it is a directory".into());
+    }
+    if path.exists() {
+        return access(path, AccessFlags::W_OK).or_else(|e| cannot(e.desc().to_string()));
+    }
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    let cannot = |why: String| Err(format!("cannot write the report to {}: {why}", path.display()));
     if !dir.is_dir() {
         return cannot(format!("{} is not a directory", dir.display()));
     }
-    if path.is_dir() {
-        return cannot("it is a directory".into());
-    }
-    match nix::unistd::access(dir, nix::unistd::AccessFlags::W_OK) {
-        Ok(()) => Ok(()),
-        Err(e) => cannot(format!("{}: {}", dir.display(), e.desc())),
-    }
+    access(dir, AccessFlags::W_OK).or_else(|e| cannot(format!("{}: {}", dir.display(), e.desc())))
 }
 
 impl RunArgs {

@@ -29,8 +29,8 @@ impl AsRef<[u8]> for Aligned {
 }
 
 impl Aligned {
-    /// `len` zero bytes. A large block's memory gets transparent huge pages when the
-    /// kernel has them free (see [`advise_huge`]).
+    /// `len` zero bytes. With `DUCTILE_HUGE_PAGES=1`, a large block's memory gets
+    /// transparent huge pages when the kernel has them free (see [`advise_huge`]).
     pub(crate) fn zeroed(len: usize) -> Self {
         let mut a = Self { words: vec![0u64; len.div_ceil(8)], len };
         if len >= HUGE_MIN && HUGE_PAGES.load(Ordering::Relaxed) {
@@ -66,8 +66,12 @@ impl Aligned {
     }
 }
 
-/// Blocks of at least this many bytes are given huge pages ([`advise_huge`]).
-const HUGE_MIN: usize = 16 << 20;
+/// Blocks of at least this many bytes are given huge pages ([`advise_huge`]): glibc
+/// serves them from a mapping of their own (`init` sets its mmap threshold to 32 MiB,
+/// and no larger one is accepted), which no one has touched and which goes away with the
+/// block, advice and all. Smaller blocks may come from the heap, reused memory whose
+/// advice would outlive them.
+const HUGE_MIN: usize = 32 << 20;
 /// A transparent huge page (x86-64, aarch64 with 4 KiB pages).
 const HUGE_PAGE: usize = 2 << 20;
 /// Whether large blocks get huge pages (`DUCTILE_HUGE_PAGES`, set by `init`; off by

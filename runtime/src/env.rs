@@ -7,7 +7,7 @@
 //! | `DUCTILE_THREADS` | progress threads per process | [`DEFAULT_THREADS`] |
 //! | `DUCTILE_TIMEOUT` | timeout of every wait of a standalone process, s (launched ranks get theirs from the launcher) | [`DEFAULT_TIMEOUT_SECS`] |
 //! | `DUCTILE_BACKGROUND_SHARE` | share of the time a background redistribution may keep the processes busy, in (0, 1]; 1 moves at full speed | [`DEFAULT_BACKGROUND_SHARE`] |
-//! | `DUCTILE_HUGE_PAGES` | `1`: new blocks of registered data of 16 MiB and more get transparent huge pages when the kernel has them free (see `block`) | `0` |
+//! | `DUCTILE_HUGE_PAGES` | `1`: new blocks of registered data of 32 MiB and more get transparent huge pages when the kernel has them free (see `block`) | `0` |
 //! | `DUCTILE_MALLOC_TUNING` | `0` leaves glibc's allocator settings alone (see `init`) | `1` |
 //! | `DUCTILE_CONTROL_FD` | set by the agent: the control channel's descriptor | unset (standalone) |
 
