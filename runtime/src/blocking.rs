@@ -24,6 +24,15 @@ struct Flag {
     thread: Thread,
 }
 
+impl Flag {
+    /// Takes a wake-up, if any. A plain load first: this is every round of a spin, and
+    /// an atomic swap costs a locked instruction even when there is nothing to take.
+    #[inline]
+    fn take(&self) -> bool {
+        self.woken.load(Ordering::Relaxed) && self.woken.swap(false, Ordering::Acquire)
+    }
+}
+
 impl Wake for Flag {
     fn wake(self: Arc<Self>) {
         self.wake_by_ref();
@@ -186,6 +195,10 @@ pub(crate) trait Progress {
     fn end(&self, parking: bool) {
         let _ = parking;
     }
+    /// Whether [`Progress::poll`] reads the transport (the thread moves the data itself).
+    fn polled(&self) -> bool {
+        false
+    }
 }
 
 impl Progress for () {}
@@ -201,6 +214,10 @@ impl Progress for ductile_transport::Endpoint {
 
     fn end(&self, parking: bool) {
         self.poll_end(parking);
+    }
+
+    fn polled(&self) -> bool {
+        self.transport().capabilities().polled
     }
 }
 
@@ -253,8 +270,13 @@ fn spin_wait(
 ) -> bool {
     let mut start = None;
     let mut rounds = 0u32;
+    // A round that reads the transport takes long enough by itself; a pause there only
+    // delays seeing what arrives (fabric shm, 8 B one-way, alternating jobs: 321-341 ns
+    // without it against 340-391 ns with it, and 1028-1128 against 1081-1142 in the
+    // machine's slow state).
+    let polled = progress.polled();
     loop {
-        if flag.woken.swap(false, Ordering::Acquire) || arrived() {
+        if flag.take() || arrived() {
             return true;
         }
         if let Some(now) = deadline.round() {
@@ -266,7 +288,7 @@ fn spin_wait(
         if progress.poll() {
             // What the poll delivered may be what this thread waits for: look before
             // reading the clock and pausing, which would only delay the answer.
-            if arrived() || flag.woken.swap(false, Ordering::Acquire) {
+            if arrived() || flag.take() {
                 return true;
             }
             start = None;
@@ -274,7 +296,7 @@ fn spin_wait(
         rounds = rounds.wrapping_add(1);
         if rounds.is_multiple_of(16) {
             thread::yield_now();
-        } else {
+        } else if !polled {
             std::hint::spin_loop();
         }
     }

@@ -120,6 +120,12 @@ impl Direct {
         self.queued.store(q.len(), Ordering::Release);
     }
 
+    /// Whether copies may be queued (one load; see [`Direct::pop`]).
+    #[inline]
+    pub(super) fn any(&self) -> bool {
+        self.queued.load(Ordering::Acquire) != 0
+    }
+
     /// The next copy to make. The queue is looked at only if it was seen non-empty
     /// without the lock (a poll of an idle endpoint costs one load: this is on the
     /// 8-byte path; a copy queued meanwhile is seen by the next poll).

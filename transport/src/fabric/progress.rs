@@ -83,8 +83,9 @@ impl Inner {
                 false
             }
         };
-        // Copies the handlers queued, with no lock held (see `super::direct`).
-        let got = self.run_direct() || got;
+        // Copies the handlers queued, with no lock held (see `super::direct`). The
+        // idle checks here are single loads, inline: this is the 8-byte path's poll.
+        let got = (self.direct.any() && self.run_direct()) || got;
         // The slots of handled messages are posted again once the queue is found empty
         // (or half of them wait): a thread that received a message goes back to its
         // application first, and after its reply it reads the queue before it posts
@@ -92,8 +93,10 @@ impl Inner {
         if self.ops.recv.should_post(!got) {
             self.repost();
         }
-        for (op, why) in self.ops.retry(&self.ep) {
-            self.failed(op, why);
+        if self.ops.backlogged() {
+            for (op, why) in self.ops.retry(&self.ep) {
+                self.failed(op, why);
+            }
         }
         got
     }
