@@ -6,7 +6,9 @@
 //! `benches/peers/`, all in the same run.
 //!
 //! `cargo bench --all-features --bench transport` (build the peer first:
-//! `benches/peers/build.sh`; `fi_pingpong` is in Debian's `libfabric-bin`).
+//! `benches/peers/build.sh`; `fi_pingpong` is in Debian's `libfabric-bin`). After the
+//! criterion groups, the transport issue's comparisons are measured once more as
+//! alternating pairs of single jobs ([`paired`]).
 //!
 //! The same executable is the rank program: started by the launcher (with
 //! `DUCTILE_CONTROL_FD` set) it runs the ping-pong instead of criterion. Each criterion
@@ -265,7 +267,7 @@ fn fi_job(provider: &str, domain: &str, iters: u64, size: usize) -> Duration {
             .expect("start fi_pingpong");
         let client_pid = client.id();
         let o = client.wait_with_output().expect("wait for fi_pingpong");
-        remove_shm_regions(client_pid);
+        ductile_transport::shm_regions::remove_ended(&[client_pid]);
         if o.status.success() {
             out = Some(o);
             break;
@@ -274,7 +276,7 @@ fn fi_job(provider: &str, domain: &str, iters: u64, size: usize) -> Duration {
     let server_pid = server.id();
     let _ = server.kill();
     let _ = server.wait();
-    remove_shm_regions(server_pid);
+    ductile_transport::shm_regions::remove_ended(&[server_pid]);
     let out = out.unwrap_or_else(|| panic!("fi_pingpong -p {provider} never connected"));
     let text = String::from_utf8_lossy(&out.stdout);
     // Last line: bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec
@@ -285,19 +287,6 @@ fn fi_job(provider: &str, domain: &str, iters: u64, size: usize) -> Duration {
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or_else(|| panic!("fi_pingpong printed no usec/xfer: {text}"));
     Duration::from_secs_f64(usec * 1e-6 * iters as f64)
-}
-
-/// Removes the shared-memory regions libfabric's shm provider made for process `pid`
-/// (`/dev/shm/<pid>:...`): a server that had to be killed, or a client that gave up,
-/// leaves its own behind.
-fn remove_shm_regions(pid: u32) {
-    let prefix = format!("{pid}:");
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
-    for entry in dir.flatten() {
-        if entry.file_name().to_string_lossy().starts_with(&prefix) {
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
 }
 
 fn have_fi_pingpong() -> bool {
@@ -367,6 +356,59 @@ fn benches(c: &mut Criterion) {
     g.finish();
 }
 
+/// The comparisons again, as alternating single jobs: each pair runs one job of
+/// either side back to back, `DUCTILE_BENCH_REPS` times (10 by default), and the
+/// medians and their ratio are printed. Criterion measures each case in one stretch,
+/// and a machine whose speed changes between stretches (this project's VM has two
+/// states, `fi_pingpong` over shm at 0.25 and 0.8 µs) then compares one case's state
+/// with another's; alternating pairs them. Latencies in ns one way, throughputs in GiB/s.
+fn paired() {
+    let reps: usize =
+        std::env::var("DUCTILE_BENCH_REPS").ok().and_then(|v| v.parse().ok()).filter(|&r| r > 0).unwrap_or(10);
+    let backend = |label: &str| built_backends().find(|b| b.label == label);
+    let lat = |d: Duration, iters: u64| d.as_secs_f64() * 1e9 / iters as f64;
+    let gib = |d: Duration, iters: u64| (BW_SIZE as f64 * iters as f64) / d.as_secs_f64() / f64::from(1u32 << 30);
+    println!("\npaired measurements, alternating single jobs ({reps} pairs, medians):");
+    println!("| measure | a | b | median a | median b | a / b | pairs (a/b) |");
+    println!("|---|---|---|---|---|---|---|");
+    let row = |what: &str, a: &str, b: &str, run: &dyn Fn() -> (f64, f64)| {
+        let pairs: Vec<(f64, f64)> = (0..reps).map(|_| run()).collect();
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (ma, mb) = (median(pairs.iter().map(|p| p.0).collect()), median(pairs.iter().map(|p| p.1).collect()));
+        let each: Vec<String> = pairs.iter().map(|(x, y)| format!("{x:.2}/{y:.2}")).collect();
+        println!("| {what} | {a} | {b} | {ma:.3} | {mb:.3} | {:.2} | {} |", ma / mb, each.join(" "));
+    };
+    if have_fi_pingpong() {
+        for (label, provider, domain) in
+            [("ductile_fabric_shm", "shm", ""), ("ductile_fabric_tcp", "tcp;ofi_rxm", "lo")]
+        {
+            let Some(be) = backend(label) else { continue };
+            let iters: u64 = if provider == "shm" { 200_000 } else { 50_000 };
+            row("8 B latency (ns)", label, &format!("fi_pingpong {provider}"), &|| {
+                let d = lat(ductile_job(be, "latency", iters, LAT_SIZE), iters) / 2.0;
+                (d, lat(fi_job(provider, domain, iters, LAT_SIZE), iters))
+            });
+        }
+    }
+    let tcp = backend("ductile_tcp").expect("tcp is always built");
+    if let Some(quic) = backend("ductile_quic") {
+        row("4 MiB stream (GiB/s)", "ductile_quic", "ductile_tcp", &|| {
+            let q = gib(ductile_job(quic, "bandwidth", MIN_LARGE, BW_SIZE), MIN_LARGE);
+            (q, gib(ductile_job(tcp, "bandwidth", MIN_LARGE, BW_SIZE), MIN_LARGE))
+        });
+    }
+    for label in ["ductile_fabric_tcp", "ductile_fabric_shm"] {
+        let Some(be) = backend(label) else { continue };
+        row("4 MiB get (GiB/s)", label, "ductile_tcp", &|| {
+            let f = gib(ductile_job(be, "get", MIN_LARGE, BW_SIZE), MIN_LARGE);
+            (f, gib(ductile_job(tcp, "get", MIN_LARGE, BW_SIZE), MIN_LARGE))
+        });
+    }
+}
+
 criterion_group!(
     name = transport;
     config = Criterion::default();
@@ -390,4 +432,5 @@ fn main() {
     ductile_suite::paths::build_release();
     transport();
     Criterion::default().configure_from_args().final_summary();
+    paired();
 }
