@@ -29,6 +29,9 @@
 //!   moving the registered data, from after the new membership is installed and the
 //!   manifest agreed (connect phase) to its block being complete; it includes
 //!   allocating the new blocks. Growth starts the new processes (fresh) before this.
+//!   Over shm, rma hands whole pages over between the processes (the runtime's
+//!   `pages`); **ductile_fabric_shm_copy_rma** is the same job with
+//!   `DUCTILE_PAGE_HANDOVER=0`, copying every byte.
 //! - **ompi_spawn_a2av**: `benches/peers/redist.c spawn-alltoallv`: NS parents spawn NT
 //!   children, merge, then `MPI_Alltoallv` over the merged communicator moves every
 //!   block to the children (timed barrier to barrier, spawn and merge excluded), over
@@ -71,11 +74,25 @@ struct Backend {
     short: &'static str,
     name: &'static str,
     provider: Option<&'static str>,
+    /// The executors run over it.
+    methods: &'static [&'static str],
+    /// Environment of its jobs.
+    env: &'static [(&'static str, &'static str)],
 }
 
-const BACKENDS: [Backend; 2] = [
-    Backend { label: "tcp", short: "tcp", name: "tcp", provider: None },
-    Backend { label: "fabric_shm", short: "shm", name: "fabric", provider: Some("shm") },
+const BACKENDS: [Backend; 3] = [
+    Backend { label: "tcp", short: "tcp", name: "tcp", provider: None, methods: &METHODS, env: &[] },
+    Backend { label: "fabric_shm", short: "shm", name: "fabric", provider: Some("shm"), methods: &METHODS, env: &[] },
+    // rma over shm copying every byte, as without page handover: the peer of the
+    // handover in the same run.
+    Backend {
+        label: "fabric_shm_copy",
+        short: "shmc",
+        name: "fabric",
+        provider: Some("shm"),
+        methods: &["rma"],
+        env: &[("DUCTILE_PAGE_HANDOVER", "0")],
+    },
 ];
 
 /// The Open MPI cases: label, short label, peer mode, extra mpirun arguments.
@@ -231,6 +248,7 @@ fn ductile_job(be: &Backend, method: &str, growth: &str, (ns, nt): (u32, u32), g
         cmd.args(["--fabric-provider", p]);
     }
     let out = cmd
+        .envs(be.env.iter().copied())
         .arg("--report")
         .arg(&report)
         .arg("--")
@@ -420,7 +438,7 @@ fn cases_of(peer: bool) -> Vec<Case> {
     let mut cases = Vec::new();
     let built = ductile_transport::transport::backends();
     for be in BACKENDS.iter().filter(|b| built.contains(&b.name)) {
-        for m in METHODS {
+        for &m in be.methods {
             let (label, short) =
                 (format!("ductile_{}_{m}", be.label), format!("{}/{}", be.short, &m[..4.min(m.len())]));
             cases.push(Case { label, short, job: Job::Ductile(be, m), runs: Ok(Vec::new()) });
@@ -455,7 +473,17 @@ fn summary(pair: (u32, u32), cases: &[Case], bytes: u64) -> String {
             .collect::<Vec<_>>()
             .join("/")
     };
-    s + &format!(" | {:>14} | {:>14}", ratios("tcp", "ompi_spawn_a2av"), ratios("fabric_shm", "ompi_injob_a2av"))
+    let rma = |be: &str| match (get(&format!("ductile_{be}_rma")), get(&format!("ductile_{be}_collective"))) {
+        (Some(a), Some(b)) => format!("{:.2}", a / b),
+        _ => "-".into(),
+    };
+    s + &format!(
+        " | {:>14} | {:>14} | {:>5} {:>5}",
+        ratios("tcp", "ompi_spawn_a2av"),
+        ratios("fabric_shm", "ompi_injob_a2av"),
+        rma("tcp"),
+        rma("fabric_shm")
+    )
 }
 
 fn main() {
@@ -526,13 +554,16 @@ fn main() {
         }
     }
 
-    println!("\nmedian GB/s; ratios: ductile collective/p2p/rma GB/s over the peer's (targets: tcp >= 1, shm >= 0.8)");
+    println!(
+        "\nmedian GB/s; ratios: ductile collective/p2p/rma GB/s over the peer's (targets: tcp >= 1, shm >= 0.8), \
+         and rma over collective (target on shrinks: >= 1.2)"
+    );
     if let Some((_, cases)) = all.first() {
         let mut head = "pair  ".to_string();
         for c in cases {
             head += &format!(" {:>10}", c.short);
         }
-        println!("{head} | {:>14} | {:>14}", "tcp/o:sp/a2av", "shm/o:job/a2av");
+        println!("{head} | {:>14} | {:>14} | {:>5} {:>5}", "tcp/o:sp/a2av", "shm/o:job/a2av", "tcp:r/c", "shm:r/c");
     }
     for (pair, cases) in &all {
         println!("{}", summary(*pair, cases, bytes));

@@ -39,6 +39,11 @@ struct Args {
     /// blocks it receives plus 64 MiB (no whole-array copies). Linux only.
     #[arg(long)]
     check_memory: bool,
+    /// After every change, rank 0 says in how many shared-memory files its block of
+    /// "large" lies (blocks whose pages were handed over between processes lie in
+    /// several; see `DUCTILE_PAGE_HANDOVER`). Linux only.
+    #[arg(long)]
+    report_files: bool,
     /// Fault injection: this rank aborts while constant items move (with
     /// `--background`), in the middle of the first change.
     #[arg(long, value_name = "RANK")]
@@ -74,6 +79,27 @@ fn held_bytes(s: &Session, args: &Args) -> anyhow::Result<u64> {
         total += (r.end - r.start) * elem;
     }
     Ok(total)
+}
+
+/// The distinct runtime block files (`memfd:ductile-block`) mapped over `block`, by
+/// `/proc/self/maps`.
+fn block_files(block: &[u64]) -> anyhow::Result<usize> {
+    let (lo, hi) = (block.as_ptr() as usize, block.as_ptr() as usize + std::mem::size_of_val(block));
+    let maps = std::fs::read_to_string("/proc/self/maps").context("reading /proc/self/maps")?;
+    let mut inodes: Vec<&str> = maps
+        .lines()
+        .filter(|l| l.contains("/memfd:ductile-block"))
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (range, inode) = (f.next()?, f.nth(3)?);
+            let (a, b) = range.split_once('-')?;
+            let (a, b) = (usize::from_str_radix(a, 16).ok()?, usize::from_str_radix(b, 16).ok()?);
+            (a < hi && b > lo).then_some(inode)
+        })
+        .collect();
+    inodes.sort_unstable();
+    inodes.dedup();
+    Ok(inodes.len())
 }
 
 /// The value of element `g` of item `seed`, as 64 bits.
@@ -195,6 +221,10 @@ fn main() -> anyhow::Result<()> {
                     .with_context(|| format!("after change {} ({} -> {})", r.seq, r.old_size, r.new_size))?;
                 if s.world().rank() == 0 {
                     println!("redist: change {}: {} -> {} processes, data intact", s.epoch(), r.old_size, r.new_size);
+                    if args.report_files {
+                        let files = block_files(s.block::<u64>("large")?)?;
+                        println!("redist: change {}: large lies in {files} files", s.epoch());
+                    }
                 }
             }
             _ => std::thread::sleep(std::time::Duration::from_millis(1)),

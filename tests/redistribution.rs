@@ -136,13 +136,13 @@ fn mismatched_registrations_fail_every_rank_with_the_reason() {
 /// 256 MiB moved 2 -> 4 -> 1 -> 8 -> 2: every process checks that its peak memory grew
 /// by at most its incoming blocks plus 64 MiB at every change.
 fn check_memory(method: &str) {
-    check_memory_with(method, &[]);
+    check_memory_with(method, &[], &[]);
 }
 
-/// As [`check_memory`], with `env` set for the job.
-fn check_memory_with(method: &str, env: &[(&str, &str)]) {
+/// As [`check_memory`], with `job_extra` options and `env` set for the job.
+fn check_memory_with(method: &str, job_extra: &[&str], env: &[(&str, &str)]) {
     let prog = ex("redist");
-    let args = [
+    let mut args = vec![
         "run",
         "--timeout",
         "240",
@@ -156,14 +156,9 @@ fn check_memory_with(method: &str, env: &[(&str, &str)]) {
         "steps:4,1,8,2",
         "--redistribution",
         method,
-        "--",
-        &prog,
-        "--changes",
-        "4",
-        "--check-memory",
-        "--large",
-        "33554432",
     ];
+    args.extend(job_extra);
+    args.extend(["--", &prog, "--changes", "4", "--check-memory", "--large", "33554432"]);
     let out = ductile(&args).envs(env.iter().copied()).output().expect("start ductile");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{method}: {}\n{text}", String::from_utf8_lossy(&out.stderr));
@@ -178,7 +173,7 @@ fn huge_pages_keep_blocks_intact_and_peak_memory_within_the_bound() {
     let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
     let free = free_huge_pages();
     let before = thp_faults();
-    check_memory_with("p2p", &[("DUCTILE_HUGE_PAGES", "1")]);
+    check_memory_with("p2p", &[], &[("DUCTILE_HUGE_PAGES", "1")]);
     if !thp.contains("[madvise]") {
         // `never`: no huge pages at all; `always`: every large allocation gets them, asked
         // or not, so their count says nothing about the advice.
@@ -222,6 +217,51 @@ fn p2p_keeps_peak_memory_within_incoming_plus_64_mib() {
 #[test]
 fn rma_keeps_peak_memory_within_incoming_plus_64_mib() {
     check_memory("rma");
+}
+
+/// Over fabric shm, one-sided moves hand whole pages over between the processes instead
+/// of copying them (the runtime's `pages`): through every size pair, every element
+/// stays intact while rank 0's block of "large" comes to lie in several processes'
+/// files; a solver writing into pages it was handed computes what a rigid run computes;
+/// peak memory stays within the bound.
+#[test]
+fn rma_over_shared_memory_hands_pages_over_and_keeps_every_element() {
+    if !ductile_transport::transport::backends().contains(&"fabric") {
+        eprintln!("NOTE: this build has no fabric transport: page handover is not tested");
+        return;
+    }
+    let shm = ["--transport", "fabric", "--fabric-provider", "shm"];
+    let (report, text) =
+        redist_job_with("rma", &shm, &["--large", "4000000", "--report-files"], "redist-handover.json");
+    assert_eq!(pairs(&report).len(), CIRCUIT.len());
+    let files: Vec<usize> =
+        text.lines().filter_map(|l| l.split(" lies in ").nth(1)?.split_whitespace().next()?.parse().ok()).collect();
+    assert_eq!(files.len(), CIRCUIT.len(), "{text}");
+    assert!(files.iter().all(|&f| f >= 1), "blocks not in files: {files:?}");
+    // Pages from at least two other files than the block's own: handed over, not copied.
+    assert!(files.iter().any(|&f| f >= 3), "no block took pages over: {files:?}");
+
+    let jacobi = ["--points", "1000000", "--iters", "60", "--every", "10"];
+    let solve = |job_extra: &[&str], name: &str| {
+        let report = tmp(name);
+        let mut args = vec!["run", "--timeout", "120", "--report", report.to_str().unwrap()];
+        args.extend(job_extra);
+        let prog = ex("jacobi");
+        args.extend(["--", prog.as_str()]);
+        args.extend(jacobi);
+        let out = run(&args);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{args:?}: {}\n{text}", String::from_utf8_lossy(&out.stderr));
+        assert_no_survivors(&report);
+        text.split("checksum ").nth(1).and_then(|s| s.split_whitespace().next()).unwrap_or_default().to_owned()
+    };
+    let rigid = solve(&["-n", "2"], "handover-rigid.json");
+    let mut resized = shm.to_vec();
+    resized.extend(["--nodes", "1", "--slots", "2", "--max-nodes", "4", "--policy", "steps:2,4,1,3"]);
+    resized.extend(["--redistribution", "rma"]);
+    assert!(!rigid.is_empty());
+    assert_eq!(solve(&resized, "handover-jacobi.json"), rigid);
+    check_memory_with("rma", &shm, &[]);
 }
 
 #[test]

@@ -11,15 +11,40 @@
 //! (`DUCTILE_HUGE_PAGES=1`, [`advise_huge`]): twice as fast when the hypervisor has
 //! backed the memory, several times slower when it has not.
 
+use crate::pages::{Mapping, Run};
 use ductile_transport::Landing;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-/// Bytes with 8-byte alignment.
-#[derive(Clone, Debug, Default)]
+/// Bytes with 8-byte alignment: on the heap, or in a shared-memory file whose pages a
+/// move may hand over to another process ([`crate::pages`]).
+#[derive(Debug, Default)]
 pub(crate) struct Aligned {
-    words: Vec<u64>,
+    store: Store,
     len: usize,
+}
+
+#[derive(Debug)]
+enum Store {
+    Words(Vec<u64>),
+    Mapped(Mapping),
+}
+
+impl Default for Store {
+    fn default() -> Self {
+        Self::Words(Vec::new())
+    }
+}
+
+/// Blocks of fewer bytes stay on the heap even where pages could be handed over: a few
+/// pages are copied faster than mapped.
+const MAPPED_MIN: usize = 1 << 20;
+
+impl Clone for Aligned {
+    /// A copy on the heap.
+    fn clone(&self) -> Self {
+        Self::from_bytes(self.bytes())
+    }
 }
 
 impl AsRef<[u8]> for Aligned {
@@ -28,15 +53,37 @@ impl AsRef<[u8]> for Aligned {
     }
 }
 
+impl AsMut<[u8]> for Aligned {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self.bytes_mut()
+    }
+}
+
 impl Aligned {
     /// `len` zero bytes. With `DUCTILE_HUGE_PAGES=1`, a large block's memory gets
     /// transparent huge pages when the kernel has them free (see [`advise_huge`]).
     pub(crate) fn zeroed(len: usize) -> Self {
-        let mut a = Self { words: vec![0u64; len.div_ceil(8)], len };
+        let mut a = Self { store: Store::Words(vec![0u64; len.div_ceil(8)]), len };
         if len >= HUGE_MIN && HUGE_PAGES.load(Ordering::Relaxed) {
             advise_huge(a.bytes_mut());
         }
         a
+    }
+
+    /// `len` zero bytes for the block whose first byte is the global array's byte
+    /// `first`, in a shared-memory file whose pages can be handed over
+    /// ([`crate::pages`]); on the heap if small or if the kernel refuses the file.
+    pub(crate) fn mapped(len: usize, first: u64) -> Self {
+        if len < MAPPED_MIN {
+            return Self::zeroed(len);
+        }
+        match Mapping::new(first, len) {
+            Ok(m) => Self { store: Store::Mapped(m), len },
+            Err(e) => {
+                tracing::debug!("a block of {len} bytes stays on the heap: {e}");
+                Self::zeroed(len)
+            }
+        }
     }
 
     /// A copy of `b`.
@@ -46,23 +93,57 @@ impl Aligned {
         a
     }
 
+    /// A copy of `b` as [`Aligned::mapped`] places it.
+    pub(crate) fn mapped_from(b: &[u8], first: u64) -> Self {
+        let mut a = Self::mapped(b.len(), first);
+        fill(a.bytes_mut(), b);
+        a
+    }
+
     pub(crate) fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.len]
+        match &self.store {
+            Store::Words(w) => &bytemuck::cast_slice::<u64, u8>(w)[..self.len],
+            Store::Mapped(m) => m.bytes(),
+        }
     }
 
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..self.len]
+        match &mut self.store {
+            Store::Words(w) => &mut bytemuck::cast_slice_mut::<u64, u8>(w)[..self.len],
+            Store::Mapped(m) => m.bytes_mut(),
+        }
+    }
+
+    /// Whether the block's pages can be handed over ([`Aligned::mapped`]).
+    pub(crate) fn is_mapped(&self) -> bool {
+        matches!(self.store, Store::Mapped(_))
+    }
+
+    /// The files behind the block's pages (none on the heap).
+    pub(crate) fn runs(&self) -> Vec<Run> {
+        match &self.store {
+            Store::Words(_) => Vec::new(),
+            Store::Mapped(m) => m.runs(),
+        }
+    }
+
+    /// Records pages mapped over the block's ([`crate::pages::map_over`]).
+    pub(crate) fn adopt(&mut self, runs: Vec<Run>) {
+        if let Store::Mapped(m) = &mut self.store {
+            for r in runs {
+                m.adopt(r);
+            }
+        }
     }
 
     /// The block as a landing for gets to read into in place.
-    pub(crate) fn into_landing(self) -> Option<Arc<Landing>> {
-        Landing::new(self.words, self.len)
+    pub(crate) fn into_landing(self) -> Arc<Landing> {
+        Landing::from_owner(self)
     }
 
     /// The block back from its landing; `None` while a part is still out.
     pub(crate) fn from_landing(landing: Arc<Landing>) -> Option<Self> {
-        let len = landing.len();
-        Landing::into_words(landing).ok().map(|words| Self { words, len })
+        Landing::into_owner(landing).ok()
     }
 }
 

@@ -119,6 +119,13 @@ impl AsyncGroup {
         self.core.endpoint.transport().capabilities().populates
     }
 
+    /// Whether one-sided moves hand whole pages over instead of copying them: the
+    /// transport's peers share the host's memory (`Capabilities::shares_memory`) and
+    /// `DUCTILE_PAGE_HANDOVER` is not 0 (see [`crate::pages`]).
+    pub(crate) fn hands_over_pages(&self) -> bool {
+        self.core.endpoint.transport().capabilities().shares_memory && crate::pages::handover()
+    }
+
     /// Sends `payload` within this call if the transport takes it at once (a small
     /// message to a connected peer): true if sent; false if nothing was sent and
     /// [`AsyncGroup::send_bytes`] must send it.

@@ -31,6 +31,7 @@ mod collectives;
 pub mod env;
 mod error;
 mod group;
+mod pages;
 mod pod;
 pub mod pset;
 mod redistribute;

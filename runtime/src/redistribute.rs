@@ -45,15 +45,17 @@
 use crate::block::Aligned;
 use crate::error::{Error, Result};
 use crate::group::AsyncGroup;
+use crate::pages::{inner_pages, Offer, Run};
 use bytes::Bytes;
 use ductile_redistrib::{block_range, drain_plan, source_plan, DrainPlan};
-use ductile_transport::{Part, Tag, TagMatch, WindowId};
+use ductile_transport::{Landing, Part, Tag, TagMatch, WindowId};
 use futures_util::future::{try_join, try_join3, try_join_all, BoxFuture};
 use futures_util::stream::{self, FuturesUnordered, StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
+use std::sync::Arc;
 
 /// Largest piece of an overlap moved by one message or one get.
 pub const SEGMENT: usize = 8 << 20;
@@ -143,6 +145,9 @@ pub(crate) struct Move<'a> {
     /// For a move in the background, the share of time it may keep busy (see
     /// [`Pacer`]); `None` moves at full speed.
     pub share: Option<f64>,
+    /// The files behind the old block's pages, if it lives in files (see
+    /// [`crate::pages`]): a one-sided move may hand them over.
+    pub old_runs: Vec<Run>,
 }
 
 /// Spaces out the segments of a background move: after a segment that took `t` (from
@@ -282,7 +287,7 @@ impl Move<'_> {
         // source is granted its next segment, a receive into that segment's part is
         // posted (a source sends its segments in order, and receives from it match in
         // the order they were posted).
-        let landing = std::mem::take(block).into_landing().ok_or_else(|| plan_error("block size"))?;
+        let landing = std::mem::take(block).into_landing();
         let lend = |seg: Range<usize>| landing.part(seg).ok_or_else(|| plan_error("overlapping segments"));
         let mut pending: Vec<(usize, std::vec::IntoIter<Range<usize>>)> = Vec::new();
         let mut own_parts = Vec::new();
@@ -351,10 +356,7 @@ impl Move<'_> {
             }
         }
         // Incoming segments land straight in the new block.
-        let landing = match new.as_deref_mut() {
-            Some(block) => Some(std::mem::take(block).into_landing().ok_or_else(|| plan_error("block size"))?),
-            None => None,
-        };
+        let landing = new.as_deref_mut().map(|block| std::mem::take(block).into_landing());
         // Every member runs the same number of rounds, known without asking: enough for
         // the largest overlap there can be, which is no larger than the largest block.
         let largest = |n: u32| self.global.div_ceil(u64::from(n.max(1)));
@@ -422,26 +424,39 @@ impl Move<'_> {
         // targets of a source take turns (unpaced: a paced move reads one segment at a
         // time already). Both sides know: the share and the transport are the job's.
         let in_turn = !Pacer::new(self.share).paced() && t.serial_reads();
+        // Whole pages are handed over in a blocking move whose source's block lives in
+        // files (see `crate::pages`). Not in turns: readers that cannot copy a peer's
+        // memory themselves (no ptrace rights) cannot open its files either.
+        let hand_over = !Pacer::new(self.share).paced() && !in_turn;
+        let offer = if hand_over { Offer::of(&self.old_runs) } else { None };
+        let announcement = announcement(window, offer.as_ref())?;
         // Sources: announce the window to each target, then wait until each has read;
-        // in turns, one target after the other.
+        // in turns, one target after the other. A target's notice says whether it took
+        // its pages over.
         let serve = async {
+            let mut took = Vec::new();
             if in_turn {
                 for (k, _) in &remote {
-                    t.send_tagged(*k, self.tag, window_bytes(window)).await?;
+                    t.send_tagged(*k, self.tag, announcement.clone()).await?;
                     t.recv_tagged(Some(*k), TagMatch::Tag(self.done_tag)).await?;
                 }
-                return Ok::<(), Error>(());
+                return Ok::<_, Error>(took);
             }
-            let announce = remote.iter().map(|(k, _)| t.send_tagged(*k, self.tag, window_bytes(window)));
+            let announce = remote.iter().map(|(k, _)| t.send_tagged(*k, self.tag, announcement.clone()));
             try_join_all(announce).await?;
             let drained = remote.iter().map(|(k, _)| t.recv_tagged(Some(*k), TagMatch::Tag(self.done_tag)));
-            try_join_all(drained).await?;
-            Ok::<(), Error>(())
+            for ((k, _), (b, _)) in remote.iter().zip(try_join_all(drained).await?) {
+                if b.first() == Some(&TOOK_PAGES) {
+                    took.push(*k);
+                }
+            }
+            Ok(took)
         };
         let read = async {
-            let (Some(plan), Some(block)) = (self.drain(), new) else { return Ok::<(), Error>(()) };
+            let (Some(plan), Some(block)) = (self.drain(), new) else { return Ok::<bool, Error>(false) };
+            let mapped = hand_over && block.is_mapped();
             // Gets write straight into the new block, each segment into its own part.
-            let landing = std::mem::take(block).into_landing().ok_or_else(|| plan_error("block size"))?;
+            let landing = std::mem::take(block).into_landing();
             let lend = |seg: Range<usize>| landing.part(seg).ok_or_else(|| plan_error("overlapping segments"));
             let mut pacer = Pacer::new(self.share);
             // Unpaced, a get reads a source's whole overlap (up to LARGEST_GET): one
@@ -452,12 +467,13 @@ impl Move<'_> {
             let mut sources = Vec::new();
             let mut own = None;
             let mut fetches = Vec::new();
+            let mut adopted = Vec::new();
             for (src, range) in self.receives(&plan) {
                 // Where this overlap starts inside the source's block, in bytes.
                 let src_first = block_range(self.global, self.old_n, src as u32).start;
                 let at = self.bytes(first + plan.displs[src] - src_first);
                 if src == me {
-                    own = Some((lend(range.clone())?, at));
+                    own = Some((range, at));
                     continue;
                 }
                 if in_turn {
@@ -474,7 +490,7 @@ impl Move<'_> {
                             self.prepare(part);
                         }
                         let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
-                        let id = window_id(&b, src)?;
+                        let (id, _) = parse_announcement(&b, src)?;
                         let gets = parts.into_iter().map(|(offset, part)| t.get_into(src, id, offset, part));
                         drop(try_join_all(gets).await?);
                         t.send_tagged(src, self.done_tag, Bytes::new()).await
@@ -482,15 +498,35 @@ impl Move<'_> {
                     continue;
                 }
                 let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
-                let id = window_id(&b, src)?;
-                sources.push(src);
-                for seg in segments(range.clone(), seg_len) {
-                    let offset = (at + seg.start - range.start) as u64;
-                    let mut part = lend(seg)?;
-                    gets.push(async move {
-                        self.prepare(&mut part);
-                        t.get_into(src, id, offset, part).await
-                    });
+                let (id, offer) = parse_announcement(&b, src)?;
+                let runs = offer
+                    .filter(|_| mapped)
+                    .and_then(|o| o.open().map_err(|e| tracing::debug!("copying the pages of member {src}: {e}")).ok());
+                let (rest, took) = self.take_pages(&landing, range.clone(), runs.as_deref())?;
+                sources.push((src, !took.is_empty()));
+                adopted.extend(took);
+                for piece in rest {
+                    for seg in segments(piece.clone(), seg_len) {
+                        let offset = (at + seg.start - range.start) as u64;
+                        let mut part = lend(seg)?;
+                        gets.push(async move {
+                            self.prepare(&mut part);
+                            t.get_into(src, id, offset, part).await
+                        });
+                    }
+                }
+            }
+            // The own overlap's whole pages are mapped from this process's own files.
+            let mut own_parts = Vec::new();
+            let mut own_took = false;
+            if let Some((range, at)) = own {
+                let runs = Some(&self.old_runs[..]).filter(|r| mapped && !r.is_empty());
+                let (rest, took) = self.take_pages(&landing, range.clone(), runs)?;
+                own_took = !took.is_empty();
+                adopted.extend(took);
+                for piece in rest {
+                    let from = at + piece.start - range.start;
+                    own_parts.push((lend(piece.clone())?, from));
                 }
             }
             let window = pacer.window(GETS_IN_FLIGHT);
@@ -506,25 +542,87 @@ impl Move<'_> {
             // The own overlap is copied once the first gets are on their way (polled
             // first, they send their requests), while the backend brings their bytes.
             let copy = async {
-                if let Some((mut part, at)) = own {
+                for (mut part, from) in own_parts {
                     let n = part.len();
-                    crate::block::fill(part.as_mut_slice(), &old[at..at + n]);
+                    crate::block::fill(part.as_mut_slice(), &old[from..from + n]);
                 }
                 Ok(())
             };
             try_join(remote, copy).await?;
             *block = Aligned::from_landing(landing).ok_or_else(|| plan_error("a get still holds the block"))?;
-            let drained = sources.iter().map(|&k| t.send_tagged(k, self.done_tag, Bytes::new()));
+            block.adopt(adopted);
+            let drained = sources.iter().map(|&(k, took)| {
+                let notice = if took { Bytes::from_static(&[TOOK_PAGES]) } else { Bytes::new() };
+                t.send_tagged(k, self.done_tag, notice)
+            });
             try_join_all(drained).await?;
-            Ok(())
+            Ok(own_took)
         };
-        try_join(serve, read).await?;
+        let (took, own_took) = try_join(serve, read).await?;
         if let Some(w) = window {
             t.withdraw(w)?;
         }
+        // The pages no one took go now: the targets' mappings keep the files alive.
+        if !took.is_empty() || own_took {
+            let old_first = self.my_old().map_or(0, |o| block_range(self.global, self.old_n, o).start * self.elem);
+            let keep: Vec<Range<u64>> = self
+                .sends()
+                .into_iter()
+                .filter(|(k, _)| took.contains(k) || (*k == me && own_took))
+                .map(|(_, r)| inner_pages(old_first + r.start as u64..old_first + r.end as u64))
+                .collect();
+            crate::pages::punch(&self.old_runs, &keep);
+        }
         Ok(())
     }
+
+    /// Maps the whole pages of the overlap `range` (bytes of the new block, held by
+    /// `landing`, a block in files) from the source's files `runs`, if they hold them
+    /// all. Returns the byte ranges left to copy and the runs mapped (none if the pages
+    /// were not taken: no runs, or runs that miss a page).
+    fn take_pages(
+        &self,
+        landing: &Arc<Landing>,
+        range: Range<usize>,
+        runs: Option<&[Run]>,
+    ) -> Result<(Vec<Range<usize>>, Vec<Run>)> {
+        let first = block_range(self.global, self.new_n, self.my_new.unwrap_or(0)).start * self.elem;
+        let inner = inner_pages(first + range.start as u64..first + range.end as u64);
+        let Some(runs) = runs.filter(|_| !inner.is_empty()) else { return Ok((vec![range], Vec::new())) };
+        // The runs over the inner pages, which must leave no gap.
+        let mut over: Vec<Run> = runs
+            .iter()
+            .filter(|r| r.at.start < inner.end && r.at.end > inner.start)
+            .map(|r| {
+                let at = r.at.start.max(inner.start)..r.at.end.min(inner.end);
+                Run { file_off: r.file_off + (at.start - r.at.start), at, fd: r.fd.clone() }
+            })
+            .collect();
+        over.sort_by_key(|r| r.at.start);
+        let mut next = inner.start;
+        for r in &over {
+            if r.at.start != next {
+                return Ok((vec![range], Vec::new()));
+            }
+            next = r.at.end;
+        }
+        if next != inner.end {
+            return Ok((vec![range], Vec::new()));
+        }
+        let local = |g: u64| usize::try_from(g - first).unwrap_or(usize::MAX);
+        for r in &over {
+            let mut part =
+                landing.part(local(r.at.start)..local(r.at.end)).ok_or_else(|| plan_error("overlapping segments"))?;
+            crate::pages::map_over(part.as_mut_slice(), &r.fd, r.file_off)
+                .map_err(|e| Error::Reconfigure(format!("cannot map the pages of a source: {e}")))?;
+        }
+        let rest = [range.start..local(inner.start), local(inner.end)..range.end];
+        Ok((rest.into_iter().filter(|r| !r.is_empty()).collect(), over))
+    }
 }
+
+/// A target's "done reading" notice that says it took the source's pages over.
+const TOOK_PAGES: u8 = 1;
 
 /// Splits a byte range into pieces of at most `len` bytes (one empty piece for an empty
 /// range, so it still travels).
@@ -543,18 +641,26 @@ fn plan_error(what: &str) -> Error {
     Error::Reconfigure(format!("redistribution plan inconsistent: {what}"))
 }
 
-fn window_bytes(w: Option<WindowId>) -> Bytes {
-    Bytes::copy_from_slice(&w.map_or(u32::MAX, |w| w.0).to_le_bytes())
+/// A source's announcement to a target: its window's id, then what it offers of its
+/// pages, if anything.
+fn announcement(w: Option<WindowId>, offer: Option<&Offer>) -> Result<Bytes> {
+    let mut b = w.map_or(u32::MAX, |w| w.0).to_le_bytes().to_vec();
+    if let Some(o) = offer {
+        b.extend(postcard::to_stdvec(o).map_err(Error::Encode)?);
+    }
+    Ok(Bytes::from(b))
 }
 
-fn window_id(b: &[u8], src: usize) -> Result<WindowId> {
-    let raw: [u8; 4] = b.try_into().map_err(|_| Error::LengthMismatch {
-        what: "window announcement",
-        expected: 4,
-        got: b.len(),
-        src,
-    })?;
-    Ok(WindowId(u32::from_le_bytes(raw)))
+fn parse_announcement(b: &[u8], src: usize) -> Result<(WindowId, Option<Offer>)> {
+    let (Some(raw), rest) = (b.first_chunk::<4>(), b.get(4..).unwrap_or_default()) else {
+        return Err(Error::LengthMismatch { what: "window announcement", expected: 4, got: b.len(), src });
+    };
+    let offer = if rest.is_empty() {
+        None
+    } else {
+        Some(postcard::from_bytes(rest).map_err(|source| Error::Decode { src, source })?)
+    };
+    Ok((WindowId(u32::from_le_bytes(*raw)), offer))
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@
 use crate::block::Aligned;
 use crate::error::{Error, Result};
 use crate::group::AsyncGroup;
+use crate::pages::Run;
 use crate::redistribute::{Method, Move};
 use bytemuck::Pod;
 use bytes::Bytes;
@@ -71,6 +72,17 @@ pub(crate) struct Registry {
 /// New blocks of the constant items a background move produced, by entry index.
 pub(crate) type Moved = Vec<(usize, Aligned)>;
 
+/// How a distributed item moves and where its blocks live.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct How {
+    /// Its own method; `None`: the job's.
+    pub method: Option<Method>,
+    /// It may move in the background (see [`Kind::Distributed`]).
+    pub constant: bool,
+    /// Its blocks live where their pages can be handed over (see [`crate::pages`]).
+    pub mapped: bool,
+}
+
 /// Where a process stands in a change: its old and new part numbers.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Parts {
@@ -113,9 +125,9 @@ impl Registry {
         global: u64,
         part: (u32, u32),
         block: &[T],
-        method: Option<Method>,
-        constant: bool,
+        how: How,
     ) -> Result<()> {
+        let How { method, constant, mapped } = how;
         self.absent(name)?;
         let (elem, align) = (std::mem::size_of::<T>(), std::mem::align_of::<T>());
         if elem == 0 || align > MAX_ALIGN {
@@ -146,7 +158,12 @@ impl Registry {
                 constant,
             },
         });
-        self.blocks.push(Aligned::from_bytes(bytemuck::cast_slice(block)));
+        let bytes = bytemuck::cast_slice(block);
+        self.blocks.push(if mapped {
+            Aligned::mapped_from(bytes, want.start * elem as u64)
+        } else {
+            Aligned::from_bytes(bytes)
+        });
         self.moving.push(None);
         Ok(())
     }
@@ -287,9 +304,11 @@ impl Registry {
             if variable_only && matches!(self.entries[i].kind, Kind::Distributed { constant: true, .. }) {
                 continue;
             }
-            // The old block is handed to the transport as it is, without a copy.
+            // The old block is handed to the transport as it is, without a copy; the files
+            // behind its pages, if any, go to the move as well.
+            let runs = self.blocks[i].runs();
             let old = Bytes::from_owner(std::mem::take(&mut self.blocks[i]));
-            self.blocks[i] = plan.run(t, i, global, elem, own.unwrap_or(method), old).await?;
+            self.blocks[i] = plan.run(t, i, global, elem, own.unwrap_or(method), (old, runs)).await?;
         }
         Ok(())
     }
@@ -315,7 +334,8 @@ impl Registry {
             }
             let old = Bytes::from_owner(std::mem::take(&mut self.blocks[i]));
             self.moving[i] = Some(old.clone());
-            work.push((i, global, elem, own.unwrap_or(method), old));
+            // A background move hands no page over (see `crate::pages`).
+            work.push((i, global, elem, own.unwrap_or(method), (old, Vec::new())));
         }
         async move {
             let mut moved = Vec::with_capacity(work.len());
@@ -380,7 +400,7 @@ impl Plan {
         global: u64,
         elem: u64,
         method: Method,
-        old: Bytes,
+        (old, old_runs): (Bytes, Vec<Run>),
     ) -> Result<Aligned> {
         let index = i as u32 & 0x00ff_ffff;
         let mv = Move {
@@ -394,10 +414,19 @@ impl Plan {
             tag: Tag(REGISTRY_TAG | index),
             done_tag: Tag(REGISTRY_DONE_TAG | index),
             share: self.share,
+            old_runs,
         };
+        // One-sidedly moved items live where their pages can be handed over, when the
+        // transport allows it (see `crate::pages`), at the next move too.
+        let mapped = method == Method::Rma && t.hands_over_pages();
         let mut block = self.my_new.map(|n| {
             let r = block_range(global, self.parts.new_n, n);
-            Aligned::zeroed(usize::try_from((r.end - r.start) * elem).unwrap_or(usize::MAX))
+            let len = usize::try_from((r.end - r.start) * elem).unwrap_or(usize::MAX);
+            if mapped {
+                Aligned::mapped(len, r.start * elem)
+            } else {
+                Aligned::zeroed(len)
+            }
         });
         mv.run(method, old, block.as_mut()).await?;
         Ok(block.unwrap_or_default())
@@ -411,9 +440,9 @@ mod tests {
     #[test]
     fn registering_checks_blocks_types_and_names() {
         let mut r = Registry::default();
-        r.distribute::<f64>("u", 10, (1, 3), &[1.0, 2.0, 3.0], None, false).unwrap();
-        assert!(r.distribute::<f64>("v", 10, (1, 3), &[1.0], None, false).is_err());
-        assert!(r.distribute::<f64>("u", 10, (1, 3), &[1.0, 2.0, 3.0], None, false).is_err());
+        r.distribute::<f64>("u", 10, (1, 3), &[1.0, 2.0, 3.0], How::default()).unwrap();
+        assert!(r.distribute::<f64>("v", 10, (1, 3), &[1.0], How::default()).is_err());
+        assert!(r.distribute::<f64>("u", 10, (1, 3), &[1.0, 2.0, 3.0], How::default()).is_err());
         assert_eq!(r.block::<f64>("u").unwrap(), &[1.0, 2.0, 3.0]);
         assert!(r.block::<u32>("u").is_err());
         r.block_mut::<f64>("u").unwrap()[0] = 7.0;
@@ -431,14 +460,14 @@ mod tests {
     #[test]
     fn the_set_of_items_is_fixed_while_constant_items_move() {
         let mut r = Registry::default();
-        r.distribute::<u64>("c", 4, (0, 1), &[1, 2, 3, 4], None, true).unwrap();
-        r.distribute::<u64>("v", 2, (0, 1), &[5, 6], None, false).unwrap();
+        r.distribute::<u64>("c", 4, (0, 1), &[1, 2, 3, 4], How { constant: true, ..How::default() }).unwrap();
+        r.distribute::<u64>("v", 2, (0, 1), &[5, 6], How::default()).unwrap();
         r.replicate("it", &1u32).unwrap();
         r.moving[0] = Some(Bytes::from_owner(std::mem::take(&mut r.blocks[0])));
         assert_eq!(r.block::<u64>("c").unwrap(), &[1, 2, 3, 4]);
         assert!(r.block_mut::<u64>("c").is_err());
         assert!(r.unregister("v").is_err());
-        assert!(r.distribute::<u64>("w", 1, (0, 1), &[7], None, false).is_err());
+        assert!(r.distribute::<u64>("w", 1, (0, 1), &[7], How::default()).is_err());
         assert!(r.replicate("new", &0u8).is_err());
         r.replicate("it", &2u32).unwrap();
         r.block_mut::<u64>("v").unwrap()[0] = 9;
@@ -450,14 +479,14 @@ mod tests {
     #[test]
     fn adopt_refuses_a_different_registry() {
         let mut root = Registry::default();
-        root.distribute::<f64>("u", 4, (0, 1), &[0.0; 4], None, false).unwrap();
+        root.distribute::<f64>("u", 4, (0, 1), &[0.0; 4], How::default()).unwrap();
         root.replicate("it", &3u32).unwrap();
         let mut other = Registry::default();
-        other.distribute::<f32>("u", 4, (0, 1), &[0.0; 4], None, false).unwrap();
+        other.distribute::<f32>("u", 4, (0, 1), &[0.0; 4], How::default()).unwrap();
         other.replicate("it", &0u32).unwrap();
         assert!(matches!(other.adopt(root.manifest(), false), Err(Error::Reconfigure(_))));
         let mut same = Registry::default();
-        same.distribute::<f64>("u", 4, (0, 1), &[1.0; 4], None, false).unwrap();
+        same.distribute::<f64>("u", 4, (0, 1), &[1.0; 4], How::default()).unwrap();
         same.replicate("it", &0u32).unwrap();
         same.adopt(root.manifest(), false).unwrap();
         assert_eq!(same.replicated::<u32>("it").unwrap(), 3);

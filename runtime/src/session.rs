@@ -10,7 +10,7 @@ use crate::group::{AsyncGroup, Group};
 use crate::pset::ProcessSet;
 use crate::redistribute::Method;
 use crate::reduce::ReduceOp;
-use crate::registry::{Manifest, Parts, Registry};
+use crate::registry::{How, Manifest, Parts, Registry};
 use bytemuck::Pod;
 use ductile_transport::auth::Identity;
 use ductile_transport::{Context, Endpoint, JobId, JobKey, Mailbox, NodeId, Rank, TransportSetup};
@@ -213,6 +213,7 @@ pub fn init() -> Result<Session> {
         tune_malloc();
     }
     crate::block::set_huge_pages(env.huge_pages);
+    crate::pages::set_handover(env.page_handover);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(env.threads)
         .thread_name("ductile-progress")
@@ -868,7 +869,8 @@ impl Session {
     /// alignment is above 8.
     pub fn distribute<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T]) -> Result<()> {
         let part = (self.world.rank() as u32, self.world.size() as u32);
-        self.registry.distribute(name, global_len, part, block, None, false)
+        let how = How { method: None, constant: false, mapped: self.maps_blocks(None) };
+        self.registry.distribute(name, global_len, part, block, how)
     }
 
     /// Registers distributed data that always moves by `method`, whatever the job's
@@ -881,7 +883,8 @@ impl Session {
     /// As [`Session::distribute`].
     pub fn distribute_by<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T], method: Method) -> Result<()> {
         let part = (self.world.rank() as u32, self.world.size() as u32);
-        self.registry.distribute(name, global_len, part, block, Some(method), false)
+        let how = How { method: Some(method), constant: false, mapped: self.maps_blocks(Some(method)) };
+        self.registry.distribute(name, global_len, part, block, how)
     }
 
     /// Registers distributed data that the application does not change (a matrix,
@@ -896,7 +899,8 @@ impl Session {
     /// As [`Session::distribute`].
     pub fn distribute_constant<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T]) -> Result<()> {
         let part = (self.world.rank() as u32, self.world.size() as u32);
-        self.registry.distribute(name, global_len, part, block, None, true)
+        let how = How { method: None, constant: true, mapped: self.maps_blocks(None) };
+        self.registry.distribute(name, global_len, part, block, how)
     }
 
     /// [`Session::distribute_constant`] with its own method.
@@ -913,7 +917,16 @@ impl Session {
         method: Method,
     ) -> Result<()> {
         let part = (self.world.rank() as u32, self.world.size() as u32);
-        self.registry.distribute(name, global_len, part, block, Some(method), true)
+        let how = How { method: Some(method), constant: true, mapped: self.maps_blocks(Some(method)) };
+        self.registry.distribute(name, global_len, part, block, how)
+    }
+
+    /// Whether the blocks of an item moved by `method` (the job's if `None`) live where
+    /// their pages can be handed over (see [`crate::pages`]).
+    fn maps_blocks(&self, method: Option<Method>) -> bool {
+        method.unwrap_or(self.method) == Method::Rma
+            && self.endpoint.transport().capabilities().shares_memory
+            && crate::pages::handover()
     }
 
     /// Whether constant items are moving in the background (the change completes at a

@@ -1,34 +1,36 @@
 //! Memory that gets read into in place ([`crate::Transport::get_into`]).
 //!
-//! A [`Landing`] owns one buffer (8-byte aligned, like the runtime's registered
-//! blocks). It lends disjoint ranges of it as [`Part`]s, each an owned,
+//! A [`Landing`] owns one buffer (8-byte aligned words, like the runtime's registered
+//! blocks, or any owner of stable bytes, [`Landing::from_owner`]). It lends disjoint ranges of it as [`Part`]s, each an owned,
 //! exclusive handle that a backend may hold on another thread (the TCP reader, a
 //! libfabric read in flight) for as long as it writes; the buffer lives as long as any
 //! part does, so a get abandoned mid-read never writes into freed memory. The buffer is
-//! taken back with [`Landing::into_words`] once every part is gone.
+//! taken back with [`Landing::into_words`] (or [`Landing::into_owner`]) once every part
+//! is gone.
 //!
 //! Why not `&mut [u8]`: a backend's write may outlive the future that started it (a
 //! timed-out get whose reply is still arriving), so the destination must be owned.
 //! Why not one `BytesMut` per get: that is the extra copy this type exists to avoid.
 
+use std::any::Any;
 use std::cell::UnsafeCell;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// A buffer lent out in disjoint [`Part`]s; see the module docs.
 pub struct Landing {
-    /// The first byte (taken before the buffer was shared; the heap memory of `words`
-    /// never moves).
+    /// The first byte (taken before the buffer was shared; the memory of the boxed
+    /// owner never moves).
     base: *mut u8,
     len: usize,
-    words: UnsafeCell<Vec<u64>>,
+    owner: UnsafeCell<Box<dyn Any + Send>>,
     /// The ranges lent out and not yet returned.
     lent: Mutex<Vec<Range<usize>>>,
 }
 
 // SAFETY: while shared, the bytes are only reached through parts, whose ranges are
-// disjoint (checked by `part`) and each held by one owner; `words` itself is touched only
-// by `into_words`, which needs the last reference (no part left).
+// disjoint (checked by `part`) and each held by one owner; `owner` itself is touched only
+// by `into_owner`, which needs the last reference (no part left).
 unsafe impl Send for Landing {}
 // SAFETY: as above.
 unsafe impl Sync for Landing {}
@@ -36,12 +38,24 @@ unsafe impl Sync for Landing {}
 impl Landing {
     /// A landing of the first `len` bytes of `words`; `None` if `words` is shorter.
     #[must_use]
-    pub fn new(mut words: Vec<u64>, len: usize) -> Option<Arc<Self>> {
+    pub fn new(words: Vec<u64>, len: usize) -> Option<Arc<Self>> {
         if len > words.len().saturating_mul(8) {
             return None;
         }
-        let base = words.as_mut_ptr().cast::<u8>();
-        Some(Arc::new(Self { base, len, words: UnsafeCell::new(words), lent: Mutex::new(Vec::new()) }))
+        let mut owner = Box::new(words);
+        let base = owner.as_mut_ptr().cast::<u8>();
+        Some(Arc::new(Self { base, len, owner: UnsafeCell::new(owner), lent: Mutex::new(Vec::new()) }))
+    }
+
+    /// A landing of all the bytes `owner` holds (e.g. a mapping of the runtime's), taken
+    /// back with [`Landing::into_owner`].
+    #[must_use]
+    pub fn from_owner<T: AsMut<[u8]> + Send + 'static>(owner: T) -> Arc<Self> {
+        // Boxed first: the bytes are taken where they stay, even if they lie inside `T`.
+        let mut owner = Box::new(owner);
+        let bytes = (*owner).as_mut();
+        let (base, len) = (bytes.as_mut_ptr(), bytes.len());
+        Arc::new(Self { base, len, owner: UnsafeCell::new(owner), lent: Mutex::new(Vec::new()) })
     }
 
     /// Its length in bytes.
@@ -78,8 +92,31 @@ impl Landing {
     /// # Errors
     /// A part (or another reference) is still held.
     pub fn into_words(this: Arc<Self>) -> Result<Vec<u64>, Arc<Self>> {
-        Arc::try_unwrap(this).map(|l| l.words.into_inner())
+        Self::into_owner(this)
     }
+
+    /// The owner back ([`Landing::new`] owns a `Vec<u64>`), once no part is out and if it
+    /// is a `T`; else the landing itself.
+    ///
+    /// # Errors
+    /// A part (or another reference) is still held, or the owner is not a `T`.
+    pub fn into_owner<T: 'static>(this: Arc<Self>) -> Result<T, Arc<Self>> {
+        if !(*owner_of(&this)).is::<T>() {
+            return Err(this);
+        }
+        let l = Arc::try_unwrap(this)?;
+        match l.owner.into_inner().downcast::<T>() {
+            Ok(owner) => Ok(*owner),
+            Err(_) => unreachable!("the owner's type was checked"),
+        }
+    }
+}
+
+/// The owner, for its type only.
+fn owner_of(l: &Landing) -> &dyn Any {
+    // SAFETY: only the type id is read, which parts never write; the owner is replaced
+    // only by `into_owner` on the last reference.
+    unsafe { &**l.owner.get() }
 }
 
 /// An exclusive, owned range of a [`Landing`]: a backend writes a get's bytes into it.
@@ -179,6 +216,27 @@ mod tests {
         assert_eq!(&bytes[..10], &[1; 10]);
         assert_eq!(&bytes[10..30], &[2; 20]);
         assert_eq!(&bytes[30..], &[0, 0]);
+    }
+
+    #[test]
+    fn any_owner_of_bytes_lands_and_comes_back_by_its_type() {
+        struct Inline([u8; 24]);
+        impl AsMut<[u8]> for Inline {
+            fn as_mut(&mut self) -> &mut [u8] {
+                &mut self.0
+            }
+        }
+        let l = Landing::from_owner(Inline([0; 24]));
+        assert_eq!(l.len(), 24);
+        let mut p = l.part(4..12).unwrap();
+        p.as_mut_slice().fill(5);
+        drop(p);
+        let l = Landing::into_words(l).expect_err("not words");
+        let back: Inline = Landing::into_owner(l).unwrap();
+        assert_eq!(&back.0[..4], &[0; 4]);
+        assert_eq!(&back.0[4..12], &[5; 8]);
+        let words = Landing::new(vec![1; 2], 16).unwrap();
+        assert!(Landing::into_owner::<Inline>(words).is_err());
     }
 
     #[test]

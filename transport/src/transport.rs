@@ -53,6 +53,10 @@ pub struct Capabilities {
     /// that populates fresh memory first only does serially what the copies would do
     /// in parallel (fabric over shm, whose readers copy peers' memory themselves).
     pub populates: bool,
+    /// Peers reach each other through the memory of one host (fabric's shm provider):
+    /// the runtime may hand whole pages of one-sidedly moved blocks over between
+    /// processes instead of copying them.
+    pub shares_memory: bool,
 }
 
 /// A message transport backend.

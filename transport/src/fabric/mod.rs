@@ -321,8 +321,16 @@ impl Transport for FabricTransport {
         // libfabric 1.17's shm provider copies a read (CMA) under the owner's region
         // lock (see `Capabilities::serial_reads`), unless readers copy by themselves.
         let direct = self.inner.direct.on();
-        let serial_reads = self.inner.attrs.provider == "shm" && !direct;
-        Capabilities { tagged: true, one_sided: true, polled: true, serial_reads, populates: direct }
+        let shm = self.inner.attrs.provider == "shm";
+        let serial_reads = shm && !direct;
+        Capabilities {
+            tagged: true,
+            one_sided: true,
+            polled: true,
+            serial_reads,
+            populates: direct,
+            shares_memory: shm,
+        }
     }
 
     fn local_addr(&self) -> EndpointAddr {

@@ -232,7 +232,14 @@ impl Transport for QuicTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { tagged: true, one_sided: true, polled: false, serial_reads: false, populates: false }
+        Capabilities {
+            tagged: true,
+            one_sided: true,
+            polled: false,
+            serial_reads: false,
+            populates: false,
+            shares_memory: false,
+        }
     }
 
     fn local_addr(&self) -> EndpointAddr {

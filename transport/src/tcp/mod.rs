@@ -319,7 +319,14 @@ impl Transport for TcpTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { tagged: true, one_sided: true, polled: true, serial_reads: false, populates: false }
+        Capabilities {
+            tagged: true,
+            one_sided: true,
+            polled: true,
+            serial_reads: false,
+            populates: false,
+            shares_memory: false,
+        }
     }
 
     fn local_addr(&self) -> EndpointAddr {
