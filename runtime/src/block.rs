@@ -127,6 +127,14 @@ impl Aligned {
         }
     }
 
+    /// The block's own file and the array's byte at its offset 0, if it lives in files.
+    pub(crate) fn own_file(&self) -> Option<(std::sync::Arc<std::os::fd::OwnedFd>, u64)> {
+        match &self.store {
+            Store::Words(_) => None,
+            Store::Mapped(m) => Some(m.own_file()),
+        }
+    }
+
     /// Records pages mapped over the block's ([`crate::pages::map_over`]).
     pub(crate) fn adopt(&mut self, runs: Vec<Run>) {
         if let Store::Mapped(m) = &mut self.store {

@@ -160,6 +160,12 @@ impl Mapping {
         runs
     }
 
+    /// The block's own file and the array's byte at its offset 0: where a page of the
+    /// array lies in it.
+    pub(crate) fn own_file(&self) -> (Arc<OwnedFd>, u64) {
+        (self.own.clone(), self.origin)
+    }
+
     /// Records that `run` was mapped over this block's pages ([`map_over`]).
     pub(crate) fn adopt(&mut self, run: Run) {
         self.foreign.push(run);
@@ -209,9 +215,14 @@ pub(crate) fn map_over(dst: &mut [u8], fd: &OwnedFd, file_off: u64) -> io::Resul
         return Ok(());
     }
     let err = io::Error::last_os_error();
-    // SAFETY: as above, with anonymous memory.
+    // A failed MAP_FIXED may have unmapped the range: anonymous memory there at least
+    // (the caller maps its own file back over it, see `Mapping::own_file`).
     let anon = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED;
-    unsafe { libc::mmap(addr.cast(), dst.len(), rw, anon, -1, 0) };
+    // SAFETY: as above, with anonymous memory.
+    let back = unsafe { libc::mmap(addr.cast(), dst.len(), rw, anon, -1, 0) };
+    if back == libc::MAP_FAILED {
+        tracing::error!("a failed page handover left {} bytes unmapped at {addr:p}", dst.len());
+    }
     Err(err)
 }
 
@@ -292,15 +303,15 @@ pub(crate) struct Offer {
 /// bounded however many changes a job goes through.
 const MAX_OFFERED_RUNS: usize = 64;
 const MAX_OFFERED_FILES: usize = 16;
+/// Most files a new block takes pages from: a target of many sources copies from the
+/// rest (each file it maps from stays open while the block lives).
+pub(crate) const MAX_TAKEN_FILES: usize = 64;
 
 impl Offer {
     /// This process's offer of `runs`; `None` if there is nothing to offer, the pages
     /// lie in too many pieces (see [`MAX_OFFERED_RUNS`]) or the host cannot be told.
     pub(crate) fn of(runs: &[Run]) -> Option<Self> {
-        let mut files: Vec<i32> = runs.iter().map(|r| r.fd.as_raw_fd()).collect();
-        files.sort_unstable();
-        files.dedup();
-        if runs.is_empty() || runs.len() > MAX_OFFERED_RUNS || files.len() > MAX_OFFERED_FILES {
+        if runs.is_empty() || runs.len() > MAX_OFFERED_RUNS || files_in(runs) > MAX_OFFERED_FILES {
             return None;
         }
         let runs = runs
@@ -326,20 +337,29 @@ impl Offer {
         Some(Self { host: Host::here()?, pid: std::process::id(), runs })
     }
 
-    /// Opens the offered files from this process.
+    /// Opens the offered files that hold pages of `within` (a range of the array) from
+    /// this process, each once; returns their runs.
     ///
     /// # Errors
     /// Another host or pid namespace, no right to the source's descriptors (ptrace
-    /// rules), or a descriptor that is no longer the file offered.
-    pub(crate) fn open(&self) -> io::Result<Vec<Run>> {
+    /// rules), a descriptor that is no longer the file offered, or a run that is not
+    /// whole pages or reaches past its file's end.
+    pub(crate) fn open(&self, within: Range<u64>) -> io::Result<Vec<Run>> {
         if Host::here().as_ref() != Some(&self.host) {
             return Err(io::Error::other("the source runs on another host or pid namespace"));
         }
-        let mut opened: Vec<(i32, Arc<OwnedFd>)> = Vec::new();
-        let mut runs = Vec::with_capacity(self.runs.len());
-        for r in &self.runs {
-            let fd = match opened.iter().find(|(n, _)| *n == r.fd) {
-                Some((_, fd)) => fd.clone(),
+        let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("an offered run {what}"));
+        let mut opened: Vec<(i32, Arc<OwnedFd>, u64)> = Vec::new();
+        let mut runs = Vec::new();
+        for r in self.runs.iter().filter(|r| r.start < within.end && r.end > within.start) {
+            if !r.start.is_multiple_of(page64()) || !r.end.is_multiple_of(page64()) || r.start > r.end {
+                return Err(bad("is not whole pages"));
+            }
+            if !r.file_off.is_multiple_of(page64()) {
+                return Err(bad("starts inside a page of its file"));
+            }
+            let (fd, size) = match opened.iter().find(|(n, ..)| *n == r.fd) {
+                Some((_, fd, size)) => (fd.clone(), *size),
                 None => {
                     let path = format!("/proc/{}/fd/{}", self.pid, r.fd);
                     let file = std::fs::OpenOptions::new().read(true).write(true).open(&path)?;
@@ -348,17 +368,26 @@ impl Offer {
                         return Err(io::Error::other(format!("{path} is no longer the file offered")));
                     }
                     let fd = Arc::new(OwnedFd::from(file));
-                    opened.push((r.fd, fd.clone()));
-                    fd
+                    opened.push((r.fd, fd.clone(), meta.len()));
+                    (fd, meta.len())
                 }
             };
-            if r.start % page64() != 0 || r.end % page64() != 0 || r.file_off % page64() != 0 || r.start > r.end {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, "an offered run is not whole pages"));
+            // Pages past the file's end would fault (SIGBUS) when touched, not fail here.
+            if r.file_off.checked_add(r.end - r.start).is_none_or(|end| end > size) {
+                return Err(bad("reaches past its file's end"));
             }
             runs.push(Run { at: r.start..r.end, fd, file_off: r.file_off });
         }
         Ok(runs)
     }
+}
+
+/// Distinct files among `runs`.
+pub(crate) fn files_in(runs: &[Run]) -> usize {
+    let mut fds: Vec<i32> = runs.iter().map(|r| r.fd.as_raw_fd()).collect();
+    fds.sort_unstable();
+    fds.dedup();
+    fds.len()
 }
 
 /// The whole pages inside the byte range `r` of the array.
@@ -398,7 +427,7 @@ mod tests {
             *b = (i % 251) as u8;
         }
         let offer = Offer::of(&src.runs()).unwrap();
-        let runs = offer.open().unwrap();
+        let runs = offer.open(0..u64::MAX).unwrap();
         let mut dst = Mapping::new(3 * p as u64 + 16, 4 * p - 16).unwrap();
         let inner = inner_pages(3 * p as u64 + 16..7 * p as u64);
         assert_eq!(inner, 4 * p as u64..7 * p as u64);
@@ -431,14 +460,19 @@ mod tests {
         let m = Mapping::new(0, 3 * page()).unwrap();
         let mut offer = Offer::of(&m.runs()).unwrap();
         offer.runs[0].start += 1;
-        assert!(offer.open().is_err());
+        assert!(offer.open(0..u64::MAX).is_err());
         let mut offer = Offer::of(&m.runs()).unwrap();
         offer.host.boot.push('x');
-        assert!(offer.open().is_err());
+        assert!(offer.open(0..u64::MAX).is_err());
         let mut offer = Offer::of(&m.runs()).unwrap();
         offer.runs[0].ino += 1;
-        assert!(offer.open().is_err());
+        assert!(offer.open(0..u64::MAX).is_err());
         assert!(Offer::of(&[]).is_none());
+        // A run past the file's end, and only the files of the range asked for.
+        let mut offer = Offer::of(&m.runs()).unwrap();
+        offer.runs[0].end += page64();
+        assert!(offer.open(0..u64::MAX).is_err());
+        assert!(offer.open(u64::MAX - 1..u64::MAX).unwrap().is_empty());
         // Pages in too many pieces are not offered.
         let p = page64();
         let fd = m.runs()[0].fd.clone();
@@ -449,6 +483,23 @@ mod tests {
         assert!(Offer::of(&many).is_none());
         let mut v = vec![0u8; 3 * page()];
         assert!(map_over(&mut v[1..page() + 1], &fd, 0).is_err());
+    }
+
+    #[test]
+    fn a_refused_mapping_leaves_memory_that_the_own_file_can_take_back() {
+        let p = page();
+        let mut m = Mapping::new(0, 4 * p).unwrap();
+        m.bytes_mut().fill(3);
+        // A pipe cannot be mapped: the range is left as memory, not as a hole.
+        let (r, w) = std::io::pipe().unwrap();
+        drop(w);
+        let pipe = OwnedFd::from(r);
+        assert!(map_over(&mut m.bytes_mut()[p..3 * p], &pipe, 0).is_err());
+        m.bytes_mut()[p..3 * p].fill(9);
+        // The own file mapped back shows its own bytes again.
+        let (own, origin) = m.own_file();
+        map_over(&mut m.bytes_mut()[p..3 * p], &own, p as u64 - origin).unwrap();
+        assert!(m.bytes().iter().all(|&b| b == 3));
     }
 
     #[test]

@@ -45,7 +45,7 @@
 use crate::block::Aligned;
 use crate::error::{Error, Result};
 use crate::group::AsyncGroup;
-use crate::pages::{inner_pages, Offer, Run};
+use crate::pages::{files_in, inner_pages, Offer, Run, MAX_TAKEN_FILES};
 use bytes::Bytes;
 use ductile_redistrib::{block_range, drain_plan, source_plan, DrainPlan};
 use ductile_transport::{Landing, Part, Tag, TagMatch, WindowId};
@@ -54,6 +54,7 @@ use futures_util::stream::{self, FuturesUnordered, StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::ops::Range;
+use std::os::fd::OwnedFd;
 use std::str::FromStr;
 use std::sync::Arc;
 
@@ -455,6 +456,7 @@ impl Move<'_> {
         let read = async {
             let (Some(plan), Some(block)) = (self.drain(), new) else { return Ok::<bool, Error>(false) };
             let mapped = hand_over && block.is_mapped();
+            let own_file = block.own_file();
             // Gets write straight into the new block, each segment into its own part.
             let landing = std::mem::take(block).into_landing();
             let lend = |seg: Range<usize>| landing.part(seg).ok_or_else(|| plan_error("overlapping segments"));
@@ -463,6 +465,7 @@ impl Move<'_> {
             // query to its owner, the backend splits the read as it needs.
             let seg_len = if pacer.paced() { SEGMENT } else { LARGEST_GET };
             let first = block_range(self.global, self.new_n, self.my_new.unwrap_or(0)).start;
+            let first_byte = first * self.elem;
             let mut gets = Vec::new();
             let mut sources = Vec::new();
             let mut own = None;
@@ -499,10 +502,14 @@ impl Move<'_> {
                 }
                 let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
                 let (id, offer) = parse_announcement(&b, src)?;
+                let within = first_byte + range.start as u64..first_byte + range.end as u64;
                 let runs = offer
                     .filter(|_| mapped)
-                    .and_then(|o| o.open().map_err(|e| tracing::debug!("copying the pages of member {src}: {e}")).ok());
-                let (rest, took) = self.take_pages(&landing, range.clone(), runs.as_deref())?;
+                    .and_then(|o| {
+                        o.open(within).map_err(|e| tracing::debug!("copying the pages of member {src}: {e}")).ok()
+                    })
+                    .filter(|runs| files_in(&adopted) + files_in(runs) <= MAX_TAKEN_FILES);
+                let (rest, took) = self.take_pages(&landing, range.clone(), runs.as_deref(), own_file.as_ref())?;
                 sources.push((src, !took.is_empty()));
                 adopted.extend(took);
                 for piece in rest {
@@ -516,12 +523,13 @@ impl Move<'_> {
                     }
                 }
             }
-            // The own overlap's whole pages are mapped from this process's own files.
+            // The own overlap's whole pages are mapped from this process's own files, if
+            // they are few enough to be offered (see `crate::pages::Offer::of`).
             let mut own_parts = Vec::new();
             let mut own_took = false;
             if let Some((range, at)) = own {
-                let runs = Some(&self.old_runs[..]).filter(|r| mapped && !r.is_empty());
-                let (rest, took) = self.take_pages(&landing, range.clone(), runs)?;
+                let runs = Some(&self.old_runs[..]).filter(|_| mapped && offer.is_some());
+                let (rest, took) = self.take_pages(&landing, range.clone(), runs, own_file.as_ref())?;
                 own_took = !took.is_empty();
                 adopted.extend(took);
                 for piece in rest {
@@ -562,8 +570,9 @@ impl Move<'_> {
         if let Some(w) = window {
             t.withdraw(w)?;
         }
-        // The pages no one took go now: the targets' mappings keep the files alive.
-        if !took.is_empty() || own_took {
+        // The pages no one took go now: the files live on as long as any of their pages is
+        // mapped (this move's targets', or others' from earlier moves).
+        if !self.old_runs.is_empty() {
             let old_first = self.my_old().map_or(0, |o| block_range(self.global, self.old_n, o).start * self.elem);
             let keep: Vec<Range<u64>> = self
                 .sends()
@@ -577,14 +586,16 @@ impl Move<'_> {
     }
 
     /// Maps the whole pages of the overlap `range` (bytes of the new block, held by
-    /// `landing`, a block in files) from the source's files `runs`, if they hold them
-    /// all. Returns the byte ranges left to copy and the runs mapped (none if the pages
-    /// were not taken: no runs, or runs that miss a page).
+    /// `landing`, a block in files, `own` its own file) from the source's files `runs`,
+    /// if they hold them all. Returns the byte ranges left to copy and the runs mapped
+    /// (none if the pages were not taken: no runs, runs that miss a page, or a mapping
+    /// the kernel refused, after which the block's own file is mapped back).
     fn take_pages(
         &self,
         landing: &Arc<Landing>,
         range: Range<usize>,
         runs: Option<&[Run]>,
+        own: Option<&(Arc<OwnedFd>, u64)>,
     ) -> Result<(Vec<Range<usize>>, Vec<Run>)> {
         let first = block_range(self.global, self.new_n, self.my_new.unwrap_or(0)).start * self.elem;
         let inner = inner_pages(first + range.start as u64..first + range.end as u64);
@@ -609,13 +620,29 @@ impl Move<'_> {
         if next != inner.end {
             return Ok((vec![range], Vec::new()));
         }
+        let Some((own_fd, origin)) = own else { return Ok((vec![range], Vec::new())) };
         let local = |g: u64| usize::try_from(g - first).unwrap_or(usize::MAX);
-        for r in &over {
-            let mut part =
-                landing.part(local(r.at.start)..local(r.at.end)).ok_or_else(|| plan_error("overlapping segments"))?;
-            crate::pages::map_over(part.as_mut_slice(), &r.fd, r.file_off)
-                .map_err(|e| Error::Reconfigure(format!("cannot map the pages of a source: {e}")))?;
+        let mut part =
+            landing.part(local(inner.start)..local(inner.end)).ok_or_else(|| plan_error("overlapping segments"))?;
+        let within = |r: &Run| local(r.at.start) - local(inner.start)..local(r.at.end) - local(inner.start);
+        for (i, r) in over.iter().enumerate() {
+            if let Err(e) = crate::pages::map_over(&mut part.as_mut_slice()[within(r)], &r.fd, r.file_off) {
+                // The block's own pages back over what was mapped (and over the run that
+                // failed, which may have been unmapped), then the overlap is copied.
+                tracing::debug!("copying pages the kernel would not map: {e}");
+                for r in &over[..=i] {
+                    crate::pages::map_over(&mut part.as_mut_slice()[within(r)], own_fd, r.at.start - origin).map_err(
+                        |e| {
+                            Error::Reconfigure(format!(
+                                "cannot map a block's own pages back after a failed handover: {e}"
+                            ))
+                        },
+                    )?;
+                }
+                return Ok((vec![range], Vec::new()));
+            }
         }
+        drop(part);
         let rest = [range.start..local(inner.start), local(inner.end)..range.end];
         Ok((rest.into_iter().filter(|r| !r.is_empty()).collect(), over))
     }

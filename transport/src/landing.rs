@@ -12,9 +12,9 @@
 //! timed-out get whose reply is still arriving), so the destination must be owned.
 //! Why not one `BytesMut` per get: that is the extra copy this type exists to avoid.
 
-use std::any::Any;
-use std::cell::UnsafeCell;
+use std::any::{Any, TypeId};
 use std::ops::Range;
+use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// A buffer lent out in disjoint [`Part`]s; see the module docs.
@@ -23,14 +23,19 @@ pub struct Landing {
     /// owner never moves).
     base: *mut u8,
     len: usize,
-    owner: UnsafeCell<Box<dyn Any + Send>>,
+    /// The owner, leaked from its box (so that no move of the box asserts uniqueness
+    /// over bytes the parts write); `None` once taken back.
+    owner: Option<NonNull<dyn Any + Send>>,
+    /// The owner's type, for [`Landing::into_owner`] to check without a reference.
+    owner_type: TypeId,
     /// The ranges lent out and not yet returned.
     lent: Mutex<Vec<Range<usize>>>,
 }
 
 // SAFETY: while shared, the bytes are only reached through parts, whose ranges are
 // disjoint (checked by `part`) and each held by one owner; `owner` itself is touched only
-// by `into_owner`, which needs the last reference (no part left).
+// by `into_owner` and `drop`, which need the last reference (no part left). The owner is
+// `Send`.
 unsafe impl Send for Landing {}
 // SAFETY: as above.
 unsafe impl Sync for Landing {}
@@ -42,20 +47,27 @@ impl Landing {
         if len > words.len().saturating_mul(8) {
             return None;
         }
-        let mut owner = Box::new(words);
-        let base = owner.as_mut_ptr().cast::<u8>();
-        Some(Arc::new(Self { base, len, owner: UnsafeCell::new(owner), lent: Mutex::new(Vec::new()) }))
+        let mut l = Self::leak(Words(words));
+        l.len = len;
+        Some(Arc::new(l))
     }
 
     /// A landing of all the bytes `owner` holds (e.g. a mapping of the runtime's), taken
     /// back with [`Landing::into_owner`].
     #[must_use]
     pub fn from_owner<T: AsMut<[u8]> + Send + 'static>(owner: T) -> Arc<Self> {
-        // Boxed first: the bytes are taken where they stay, even if they lie inside `T`.
-        let mut owner = Box::new(owner);
-        let bytes = (*owner).as_mut();
+        Arc::new(Self::leak(owner))
+    }
+
+    /// Boxes and leaks `owner`, then takes its bytes where they stay, even if they lie
+    /// inside `T`.
+    fn leak<T: AsMut<[u8]> + Send + 'static>(owner: T) -> Self {
+        let raw = Box::into_raw(Box::new(owner));
+        // SAFETY: `raw` comes from a live box that nothing else references yet.
+        let bytes = unsafe { (*raw).as_mut() };
         let (base, len) = (bytes.as_mut_ptr(), bytes.len());
-        Arc::new(Self { base, len, owner: UnsafeCell::new(owner), lent: Mutex::new(Vec::new()) })
+        let owner: *mut (dyn Any + Send) = raw;
+        Self { base, len, owner: NonNull::new(owner), owner_type: TypeId::of::<T>(), lent: Mutex::new(Vec::new()) }
     }
 
     /// Its length in bytes.
@@ -92,31 +104,47 @@ impl Landing {
     /// # Errors
     /// A part (or another reference) is still held.
     pub fn into_words(this: Arc<Self>) -> Result<Vec<u64>, Arc<Self>> {
-        Self::into_owner(this)
+        Self::into_owner::<Words>(this).map(|w| w.0)
     }
 
-    /// The owner back ([`Landing::new`] owns a `Vec<u64>`), once no part is out and if it
+    /// The owner back ([`Landing::new`]'s words come back with [`Landing::into_words`]), once no part is out and if it
     /// is a `T`; else the landing itself.
     ///
     /// # Errors
     /// A part (or another reference) is still held, or the owner is not a `T`.
     pub fn into_owner<T: 'static>(this: Arc<Self>) -> Result<T, Arc<Self>> {
-        if !(*owner_of(&this)).is::<T>() {
+        if this.owner_type != TypeId::of::<T>() {
             return Err(this);
         }
-        let l = Arc::try_unwrap(this)?;
-        match l.owner.into_inner().downcast::<T>() {
-            Ok(owner) => Ok(*owner),
-            Err(_) => unreachable!("the owner's type was checked"),
-        }
+        let mut l = Arc::try_unwrap(this)?;
+        let Some(owner) = l.owner.take() else { return Err(Arc::new(l)) };
+        // SAFETY: the pointer comes from `Box::into_raw` of a `T` (its type id was
+        // checked), and it was taken out of the landing, so it is rebuilt only once; no
+        // part is out (this was the last reference).
+        Ok(*unsafe { Box::from_raw(owner.as_ptr().cast::<T>()) })
     }
 }
 
-/// The owner, for its type only.
-fn owner_of(l: &Landing) -> &dyn Any {
-    // SAFETY: only the type id is read, which parts never write; the owner is replaced
-    // only by `into_owner` on the last reference.
-    unsafe { &**l.owner.get() }
+/// The words of [`Landing::new`].
+struct Words(Vec<u64>);
+
+impl AsMut<[u8]> for Words {
+    fn as_mut(&mut self) -> &mut [u8] {
+        let n = self.0.len() * 8;
+        // SAFETY: the words' memory viewed as bytes: the same allocation, every byte
+        // pattern valid both ways, alignment 1 <= 8.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast::<u8>(), n) }
+    }
+}
+
+impl Drop for Landing {
+    fn drop(&mut self) {
+        if let Some(owner) = self.owner.take() {
+            // SAFETY: from `Box::into_raw`, not taken back by `into_owner`; the last
+            // reference is going, so no part is out.
+            drop(unsafe { Box::from_raw(owner.as_ptr()) });
+        }
+    }
 }
 
 /// An exclusive, owned range of a [`Landing`]: a backend writes a get's bytes into it.
