@@ -47,14 +47,7 @@ impl Transport for MemTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            tagged: true,
-            one_sided: true,
-            polled: false,
-            serial_reads: false,
-            populates: false,
-            shares_memory: false,
-        }
+        Capabilities::BASIC
     }
 
     fn local_addr(&self) -> EndpointAddr {

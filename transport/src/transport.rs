@@ -59,6 +59,19 @@ pub struct Capabilities {
     pub shares_memory: bool,
 }
 
+impl Capabilities {
+    /// Tagged messages and one-sided reads, nothing more: what every backend starts
+    /// from.
+    pub const BASIC: Self = Self {
+        tagged: true,
+        one_sided: true,
+        polled: false,
+        serial_reads: false,
+        populates: false,
+        shares_memory: false,
+    };
+}
+
 /// A message transport backend.
 ///
 /// Backends move bytes and deliver each arriving message into the [`Mailbox`] they were

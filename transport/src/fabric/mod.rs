@@ -323,14 +323,7 @@ impl Transport for FabricTransport {
         let direct = self.inner.direct.on();
         let shm = self.inner.attrs.provider == "shm";
         let serial_reads = shm && !direct;
-        Capabilities {
-            tagged: true,
-            one_sided: true,
-            polled: true,
-            serial_reads,
-            populates: direct,
-            shares_memory: shm,
-        }
+        Capabilities { polled: true, serial_reads, populates: direct, shares_memory: shm, ..Capabilities::BASIC }
     }
 
     fn local_addr(&self) -> EndpointAddr {

@@ -232,14 +232,7 @@ impl Transport for QuicTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            tagged: true,
-            one_sided: true,
-            polled: false,
-            serial_reads: false,
-            populates: false,
-            shares_memory: false,
-        }
+        Capabilities::BASIC
     }
 
     fn local_addr(&self) -> EndpointAddr {

@@ -319,14 +319,7 @@ impl Transport for TcpTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            tagged: true,
-            one_sided: true,
-            polled: true,
-            serial_reads: false,
-            populates: false,
-            shares_memory: false,
-        }
+        Capabilities { polled: true, ..Capabilities::BASIC }
     }
 
     fn local_addr(&self) -> EndpointAddr {
