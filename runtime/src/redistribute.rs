@@ -31,6 +31,11 @@
 //!   targets take turns: a source announces its window to one target after the other,
 //!   each once the previous one is done, instead of all of them spinning on the owner's
 //!   lock together.
+//!   Over a transport whose peers share memory (`Capabilities::shares_memory`: fabric
+//!   shm), a blocking move hands whole pages over instead of reading them: the blocks
+//!   of such items live in shared-memory files, a source's announcement carries the
+//!   files behind its pages, and a target maps the whole pages of its overlap over its
+//!   own and reads only the pages at the overlap's ends ([`crate::pages`]).
 //!
 //! The new block is allocated once at its final size and lent to the transport in
 //! disjoint parts ([`ductile_transport::Landing`]) that gets and receives fill in place;
