@@ -53,7 +53,7 @@ thread_local! {
 ///
 /// Each receive is bounded by the group's timeout with a tokio timer. The blocking
 /// [`Group`] uses an untimed view of the same core and bounds the whole call instead
-/// (see [`crate::blocking`]): registering a timer per receive would wake the progress
+/// (see the `blocking` module): registering a timer per receive would wake the progress
 /// thread on every message.
 #[derive(Clone)]
 pub struct AsyncGroup {
