@@ -390,6 +390,28 @@ pub(crate) fn files_in(runs: &[Run]) -> usize {
     fds.len()
 }
 
+/// The parts of `runs` over `inner` (whole pages of the array), in order, if they cover
+/// every page of it; `None` if they leave a gap.
+pub(crate) fn covering(runs: &[Run], inner: Range<u64>) -> Option<Vec<Run>> {
+    let mut over: Vec<Run> = runs
+        .iter()
+        .filter(|r| r.at.start < inner.end && r.at.end > inner.start)
+        .map(|r| {
+            let at = r.at.start.max(inner.start)..r.at.end.min(inner.end);
+            Run { file_off: r.file_off + (at.start - r.at.start), at, fd: r.fd.clone() }
+        })
+        .collect();
+    over.sort_by_key(|r| r.at.start);
+    let mut next = inner.start;
+    for r in &over {
+        if r.at.start != next {
+            return None;
+        }
+        next = r.at.end;
+    }
+    (next == inner.end).then_some(over)
+}
+
 /// The whole pages inside the byte range `r` of the array.
 pub(crate) fn inner_pages(r: Range<u64>) -> Range<u64> {
     let start = r.start.next_multiple_of(page64());
@@ -500,6 +522,22 @@ mod tests {
         let (own, origin) = m.own_file();
         map_over(&mut m.bytes_mut()[p..3 * p], &own, p as u64 - origin).unwrap();
         assert!(m.bytes().iter().all(|&b| b == 3));
+    }
+
+    #[test]
+    fn runs_cover_a_range_only_without_gaps() {
+        let p = page64();
+        let fd = Mapping::new(0, 8 * page()).unwrap().runs()[0].fd.clone();
+        let run = |a: u64, b: u64, off: u64| Run { at: a * p..b * p, fd: fd.clone(), file_off: off * p };
+        // Two runs, given out of order, cut to the range; file offsets follow the cut.
+        let over = covering(&[run(4, 8, 10), run(0, 4, 0)], p..6 * p).unwrap();
+        assert_eq!(
+            over.iter().map(|r| (r.at.clone(), r.file_off)).collect::<Vec<_>>(),
+            [(p..4 * p, p), (4 * p..6 * p, 10 * p)]
+        );
+        assert!(covering(&[run(0, 2, 0), run(3, 8, 0)], p..6 * p).is_none(), "a gap");
+        assert!(covering(&[run(0, 5, 0)], p..6 * p).is_none(), "short");
+        assert_eq!(covering(&[], p..p).unwrap().len(), 0);
     }
 
     #[test]

@@ -436,158 +436,224 @@ impl Move<'_> {
         let hand_over = !Pacer::new(self.share).paced() && !in_turn;
         let offer = if hand_over { Offer::of(&self.old_runs) } else { None };
         let announcement = announcement(window, offer.as_ref())?;
-        // Sources: announce the window to each target, then wait until each has read;
-        // in turns, one target after the other. A target's notice says whether it took
-        // its pages over.
-        let serve = async {
-            let mut took = Vec::new();
-            if in_turn {
-                for (k, _) in &remote {
-                    t.send_tagged(*k, self.tag, announcement.clone()).await?;
-                    t.recv_tagged(Some(*k), TagMatch::Tag(self.done_tag)).await?;
-                }
-                return Ok::<_, Error>(took);
-            }
-            let announce = remote.iter().map(|(k, _)| t.send_tagged(*k, self.tag, announcement.clone()));
-            try_join_all(announce).await?;
-            let drained = remote.iter().map(|(k, _)| t.recv_tagged(Some(*k), TagMatch::Tag(self.done_tag)));
-            for ((k, _), (b, _)) in remote.iter().zip(try_join_all(drained).await?) {
-                if b.first() == Some(&TOOK_PAGES) {
-                    took.push(*k);
-                }
-            }
-            Ok(took)
-        };
-        let read = async {
-            let (Some(plan), Some(block)) = (self.drain(), new) else { return Ok::<bool, Error>(false) };
-            let mapped = hand_over && block.is_mapped();
-            let own_file = block.own_file();
-            // Gets write straight into the new block, each segment into its own part.
-            let landing = std::mem::take(block).into_landing();
-            let lend = |seg: Range<usize>| landing.part(seg).ok_or_else(|| plan_error("overlapping segments"));
-            let mut pacer = Pacer::new(self.share);
-            // Unpaced, a get reads a source's whole overlap (up to LARGEST_GET): one
-            // query to its owner, the backend splits the read as it needs.
-            let seg_len = if pacer.paced() { SEGMENT } else { LARGEST_GET };
-            let first = block_range(self.global, self.new_n, self.my_new.unwrap_or(0)).start;
-            let first_byte = first * self.elem;
-            let mut gets = Vec::new();
-            let mut sources = Vec::new();
-            let mut own = None;
-            let mut fetches = Vec::new();
-            let mut adopted = Vec::new();
-            for (src, range) in self.receives(&plan) {
-                // Where this overlap starts inside the source's block, in bytes.
-                let src_first = block_range(self.global, self.old_n, src as u32).start;
-                let at = self.bytes(first + plan.displs[src] - src_first);
-                if src == me {
-                    own = Some((range, at));
-                    continue;
-                }
-                if in_turn {
-                    // Each source is read as soon as its turn comes, whatever the others
-                    // do (a target that waited for its sources in order could wait for
-                    // one serving a target that waits for it); the parts' pages are
-                    // populated while the turn is awaited.
-                    let parts = segments(range.clone(), seg_len)
-                        .map(|seg| Ok(((at + seg.start - range.start) as u64, lend(seg)?)))
-                        .collect::<Result<Vec<_>>>()?;
-                    fetches.push(async move {
-                        let mut parts = parts;
-                        for (_, part) in &mut parts {
-                            self.prepare(part);
-                        }
-                        let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
-                        let (id, _) = parse_announcement(&b, src)?;
-                        let gets = parts.into_iter().map(|(offset, part)| t.get_into(src, id, offset, part));
-                        drop(try_join_all(gets).await?);
-                        t.send_tagged(src, self.done_tag, Bytes::new()).await
-                    });
-                    continue;
-                }
-                let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
-                let (id, offer) = parse_announcement(&b, src)?;
-                let within = first_byte + range.start as u64..first_byte + range.end as u64;
-                let runs = offer
-                    .filter(|_| mapped)
-                    .and_then(|o| {
-                        o.open(within).map_err(|e| tracing::debug!("copying the pages of member {src}: {e}")).ok()
-                    })
-                    .filter(|runs| files_in(&adopted) + files_in(runs) <= MAX_TAKEN_FILES);
-                let (rest, took) = self.take_pages(&landing, range.clone(), runs.as_deref(), own_file.as_ref())?;
-                sources.push((src, !took.is_empty()));
-                adopted.extend(took);
-                for piece in rest {
-                    for seg in segments(piece.clone(), seg_len) {
-                        let offset = (at + seg.start - range.start) as u64;
-                        let mut part = lend(seg)?;
-                        gets.push(async move {
-                            self.prepare(&mut part);
-                            t.get_into(src, id, offset, part).await
-                        });
-                    }
-                }
-            }
-            // The own overlap's whole pages are mapped from this process's own files, if
-            // they are few enough to be offered (see `crate::pages::Offer::of`).
-            let mut own_parts = Vec::new();
-            let mut own_took = false;
-            if let Some((range, at)) = own {
-                let runs = Some(&self.old_runs[..]).filter(|_| mapped && offer.is_some());
-                let (rest, took) = self.take_pages(&landing, range.clone(), runs, own_file.as_ref())?;
-                own_took = !took.is_empty();
-                adopted.extend(took);
-                for piece in rest {
-                    let from = at + piece.start - range.start;
-                    own_parts.push((lend(piece.clone())?, from));
-                }
-            }
-            let window = pacer.window(GETS_IN_FLIGHT);
-            let remote = async {
-                try_join_all(fetches).await?;
-                let mut done = stream::iter(gets).buffer_unordered(window);
-                while let Some(part) = done.try_next().await? {
-                    drop(part);
-                    pacer.segment_done().await;
-                }
-                Ok::<(), Error>(())
-            };
-            // The own overlap is copied once the first gets are on their way (polled
-            // first, they send their requests), while the backend brings their bytes.
-            let copy = async {
-                for (mut part, from) in own_parts {
-                    let n = part.len();
-                    crate::block::fill(part.as_mut_slice(), &old[from..from + n]);
-                }
-                Ok(())
-            };
-            try_join(remote, copy).await?;
-            *block = Aligned::from_landing(landing).ok_or_else(|| plan_error("a get still holds the block"))?;
-            block.adopt(adopted);
-            let drained = sources.iter().map(|&(k, took)| {
-                let notice = if took { Bytes::from_static(&[TOOK_PAGES]) } else { Bytes::new() };
-                t.send_tagged(k, self.done_tag, notice)
-            });
-            try_join_all(drained).await?;
-            Ok(own_took)
-        };
+        let serve = self.rma_serve(&remote, &announcement, in_turn);
+        let read = self.rma_read(&old, new, in_turn, hand_over, offer.is_some());
         let (took, own_took) = try_join(serve, read).await?;
         if let Some(w) = window {
             t.withdraw(w)?;
         }
-        // The pages no one took go now: the files live on as long as any of their pages is
-        // mapped (this move's targets', or others' from earlier moves).
-        if !self.old_runs.is_empty() {
-            let old_first = self.my_old().map_or(0, |o| block_range(self.global, self.old_n, o).start * self.elem);
-            let keep: Vec<Range<u64>> = self
-                .sends()
-                .into_iter()
-                .filter(|(k, _)| took.contains(k) || (*k == me && own_took))
-                .map(|(_, r)| inner_pages(old_first + r.start as u64..old_first + r.end as u64))
-                .collect();
-            crate::pages::punch(&self.old_runs, &keep);
-        }
+        self.punch_untaken(&took, own_took);
         Ok(())
+    }
+
+    /// A source's side of [`Move::rma`]: announces its window (and pages) to each
+    /// target, then waits until each has read; in turns, one target after the other.
+    /// Returns the targets whose notice says they took their pages over.
+    async fn rma_serve(
+        &self,
+        remote: &[(usize, Range<usize>)],
+        announcement: &Bytes,
+        in_turn: bool,
+    ) -> Result<Vec<usize>> {
+        let t = self.t;
+        let mut took = Vec::new();
+        if in_turn {
+            for (k, _) in remote {
+                t.send_tagged(*k, self.tag, announcement.clone()).await?;
+                t.recv_tagged(Some(*k), TagMatch::Tag(self.done_tag)).await?;
+            }
+            return Ok::<_, Error>(took);
+        }
+        let announce = remote.iter().map(|(k, _)| t.send_tagged(*k, self.tag, announcement.clone()));
+        try_join_all(announce).await?;
+        let drained = remote.iter().map(|(k, _)| t.recv_tagged(Some(*k), TagMatch::Tag(self.done_tag)));
+        for ((k, _), (b, _)) in remote.iter().zip(try_join_all(drained).await?) {
+            if b.first() == Some(&TOOK_PAGES) {
+                took.push(*k);
+            }
+        }
+        Ok(took)
+    }
+
+    /// A target's side of [`Move::rma`]: reads (or takes the pages of) every overlap of
+    /// its new block, copies its own overlap from `old`, and tells each source it is
+    /// done. Returns whether it took its own overlap's pages.
+    async fn rma_read(
+        &self,
+        old: &Bytes,
+        new: Option<&mut Aligned>,
+        in_turn: bool,
+        hand_over: bool,
+        own_offered: bool,
+    ) -> Result<bool> {
+        let (t, me) = (self.t, self.t.rank());
+        let (Some(plan), Some(block)) = (self.drain(), new) else { return Ok(false) };
+        let mapped = hand_over && block.is_mapped();
+        let own_file = block.own_file();
+        // Gets write straight into the new block, each segment into its own part.
+        let landing = std::mem::take(block).into_landing();
+        let lend = |seg: Range<usize>| landing.part(seg).ok_or_else(|| plan_error("overlapping segments"));
+        let mut pacer = Pacer::new(self.share);
+        // Unpaced, a get reads a source's whole overlap (up to LARGEST_GET): one
+        // query to its owner, the backend splits the read as it needs.
+        let seg_len = if pacer.paced() { SEGMENT } else { LARGEST_GET };
+        let first = block_range(self.global, self.new_n, self.my_new.unwrap_or(0)).start;
+        let mut gets = Vec::new();
+        let mut sources = Vec::new();
+        let mut own = None;
+        let mut fetches = Vec::new();
+        let mut adopted = Vec::new();
+        for (src, range) in self.receives(&plan) {
+            // Where this overlap starts inside the source's block, in bytes.
+            let src_first = block_range(self.global, self.old_n, src as u32).start;
+            let at = self.bytes(first + plan.displs[src] - src_first);
+            if src == me {
+                own = Some((range, at));
+                continue;
+            }
+            if in_turn {
+                // Each source is read as soon as its turn comes, whatever the others
+                // do (a target that waited for its sources in order could wait for
+                // one serving a target that waits for it); the parts' pages are
+                // populated while the turn is awaited.
+                let parts = segments(range.clone(), seg_len)
+                    .map(|seg| Ok(((at + seg.start - range.start) as u64, lend(seg)?)))
+                    .collect::<Result<Vec<_>>>()?;
+                fetches.push(self.fetch_in_turn(src, parts));
+                continue;
+            }
+            let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
+            let (id, offer) = parse_announcement(&b, src)?;
+            let runs = offer.filter(|_| mapped).and_then(|o| self.offered_runs(src, &o, &range, &adopted));
+            let (rest, took) = self.take_pages(&landing, range.clone(), runs.as_deref(), own_file.as_ref())?;
+            sources.push((src, !took.is_empty()));
+            adopted.extend(took);
+            for piece in rest {
+                for seg in segments(piece.clone(), seg_len) {
+                    let offset = (at + seg.start - range.start) as u64;
+                    let mut part = lend(seg)?;
+                    gets.push(async move {
+                        self.prepare(&mut part);
+                        t.get_into(src, id, offset, part).await
+                    });
+                }
+            }
+        }
+        // The own overlap's whole pages are mapped from this process's own files, if
+        // they are few enough to be offered (see `crate::pages::Offer::of`).
+        let mut own_parts = Vec::new();
+        let mut own_took = false;
+        if let Some((range, at)) = own {
+            let runs = Some(&self.old_runs[..]).filter(|_| mapped && own_offered);
+            let took;
+            (own_parts, took) = self.own_overlap(&landing, range, at, runs, own_file.as_ref())?;
+            own_took = !took.is_empty();
+            adopted.extend(took);
+        }
+        let window = pacer.window(GETS_IN_FLIGHT);
+        let remote = async {
+            try_join_all(fetches).await?;
+            let mut done = stream::iter(gets).buffer_unordered(window);
+            while let Some(part) = done.try_next().await? {
+                drop(part);
+                pacer.segment_done().await;
+            }
+            Ok::<(), Error>(())
+        };
+        // The own overlap is copied once the first gets are on their way (polled
+        // first, they send their requests), while the backend brings their bytes.
+        let copy = async {
+            for (mut part, from) in own_parts {
+                let n = part.len();
+                crate::block::fill(part.as_mut_slice(), &old[from..from + n]);
+            }
+            Ok(())
+        };
+        try_join(remote, copy).await?;
+        *block = Aligned::from_landing(landing).ok_or_else(|| plan_error("a get still holds the block"))?;
+        block.adopt(adopted);
+        self.notify_done(&sources).await?;
+        Ok(own_took)
+    }
+
+    /// The runs of source `src`'s `offer` over the overlap `range` of the new block,
+    /// opened; `None` (the overlap is copied) if its files cannot be opened here or the
+    /// block would take pages from more than [`MAX_TAKEN_FILES`] files with those
+    /// already `taken`.
+    fn offered_runs(&self, src: usize, offer: &Offer, range: &Range<usize>, taken: &[Run]) -> Option<Vec<Run>> {
+        let first = block_range(self.global, self.new_n, self.my_new.unwrap_or(0)).start * self.elem;
+        let runs = offer
+            .open(first + range.start as u64..first + range.end as u64)
+            .map_err(|e| tracing::debug!("copying the pages of member {src}: {e}"))
+            .ok()?;
+        (files_in(taken) + files_in(&runs) <= MAX_TAKEN_FILES).then_some(runs)
+    }
+
+    /// Tells each source it was read from that this target is done, and whether it took
+    /// its pages over.
+    async fn notify_done(&self, sources: &[(usize, bool)]) -> Result<()> {
+        let drained = sources.iter().map(|&(k, took)| {
+            let notice = if took { Bytes::from_static(&[TOOK_PAGES]) } else { Bytes::new() };
+            self.t.send_tagged(k, self.done_tag, notice)
+        });
+        try_join_all(drained).await?;
+        Ok(())
+    }
+
+    /// In turns: once source `src` announces its window (its turn), reads `parts`
+    /// (offset in the source's block, part) and tells it so; the parts' pages are
+    /// populated while the turn is awaited.
+    async fn fetch_in_turn(&self, src: usize, mut parts: Vec<(u64, Part)>) -> Result<()> {
+        let t = self.t;
+        for (_, part) in &mut parts {
+            self.prepare(part);
+        }
+        let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
+        let (id, _) = parse_announcement(&b, src)?;
+        let gets = parts.into_iter().map(|(offset, part)| t.get_into(src, id, offset, part));
+        drop(try_join_all(gets).await?);
+        t.send_tagged(src, self.done_tag, Bytes::new()).await
+    }
+
+    /// The own overlap `range` of the new block (at `at` in the old one): its whole
+    /// pages taken from this process's old files `runs`, if given (see
+    /// [`Move::take_pages`]). Returns the parts left to copy, each with where it starts
+    /// in the old block, and the runs taken.
+    fn own_overlap(
+        &self,
+        landing: &Arc<Landing>,
+        range: Range<usize>,
+        at: usize,
+        runs: Option<&[Run]>,
+        own_file: Option<&(Arc<OwnedFd>, u64)>,
+    ) -> Result<(Copies, Vec<Run>)> {
+        let (rest, took) = self.take_pages(landing, range.clone(), runs, own_file)?;
+        let parts = rest
+            .into_iter()
+            .map(|piece| {
+                let part = landing.part(piece.clone()).ok_or_else(|| plan_error("overlapping segments"))?;
+                Ok((part, at + piece.start - range.start))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((parts, took))
+    }
+
+    /// Frees the pages of the old block that no target took (see [`crate::pages`]): the
+    /// files live on as long as any of their pages is mapped (this move's targets', or
+    /// others' from earlier moves).
+    fn punch_untaken(&self, took: &[usize], own_took: bool) {
+        if self.old_runs.is_empty() {
+            return;
+        }
+        let me = self.t.rank();
+        let old_first = self.my_old().map_or(0, |o| block_range(self.global, self.old_n, o).start * self.elem);
+        let keep: Vec<Range<u64>> = self
+            .sends()
+            .into_iter()
+            .filter(|(k, _)| took.contains(k) || (*k == me && own_took))
+            .map(|(_, r)| inner_pages(old_first + r.start as u64..old_first + r.end as u64))
+            .collect();
+        crate::pages::punch(&self.old_runs, &keep);
     }
 
     /// Maps the whole pages of the overlap `range` (bytes of the new block, held by
@@ -605,27 +671,9 @@ impl Move<'_> {
         let first = block_range(self.global, self.new_n, self.my_new.unwrap_or(0)).start * self.elem;
         let inner = inner_pages(first + range.start as u64..first + range.end as u64);
         let Some(runs) = runs.filter(|_| !inner.is_empty()) else { return Ok((vec![range], Vec::new())) };
-        // The runs over the inner pages, which must leave no gap.
-        let mut over: Vec<Run> = runs
-            .iter()
-            .filter(|r| r.at.start < inner.end && r.at.end > inner.start)
-            .map(|r| {
-                let at = r.at.start.max(inner.start)..r.at.end.min(inner.end);
-                Run { file_off: r.file_off + (at.start - r.at.start), at, fd: r.fd.clone() }
-            })
-            .collect();
-        over.sort_by_key(|r| r.at.start);
-        let mut next = inner.start;
-        for r in &over {
-            if r.at.start != next {
-                return Ok((vec![range], Vec::new()));
-            }
-            next = r.at.end;
-        }
-        if next != inner.end {
+        let (Some(over), Some((own_fd, origin))) = (crate::pages::covering(runs, inner.clone()), own) else {
             return Ok((vec![range], Vec::new()));
-        }
-        let Some((own_fd, origin)) = own else { return Ok((vec![range], Vec::new())) };
+        };
         let local = |g: u64| usize::try_from(g - first).unwrap_or(usize::MAX);
         let mut part =
             landing.part(local(inner.start)..local(inner.end)).ok_or_else(|| plan_error("overlapping segments"))?;
@@ -652,6 +700,9 @@ impl Move<'_> {
         Ok((rest.into_iter().filter(|r| !r.is_empty()).collect(), over))
     }
 }
+
+/// Parts of a new block to copy, each with where it starts in the old block.
+type Copies = Vec<(Part, usize)>;
 
 /// A target's "done reading" notice that says it took the source's pages over.
 const TOOK_PAGES: u8 = 1;
