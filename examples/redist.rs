@@ -44,6 +44,12 @@ struct Args {
     /// several; see `DUCTILE_PAGE_HANDOVER`). Linux only.
     #[arg(long)]
     report_files: bool,
+    /// After every change, each process says how many page faults it took during the
+    /// change for how many pages of new blocks it holds (one-sided moves over tcp
+    /// recycle old pages instead of faulting fresh ones; see `DUCTILE_PAGE_RECYCLE`).
+    /// Linux only.
+    #[arg(long)]
+    report_faults: bool,
     /// Fault injection: this rank aborts while constant items move (with
     /// `--background`), in the middle of the first change.
     #[arg(long, value_name = "RANK")]
@@ -65,6 +71,15 @@ fn status_kib(field: &str) -> anyhow::Result<u64> {
     text.lines()
         .find_map(|l| l.strip_prefix(field)?.strip_prefix(':')?.trim().strip_suffix(" kB")?.parse().ok())
         .with_context(|| format!("no {field} in /proc/self/status"))
+}
+
+/// Minor page faults this process has taken, by `/proc/self/stat`.
+fn minor_faults() -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").context("reading /proc/self/stat")?;
+    // After the command name (in parentheses): state, ppid, pgrp, session, tty_nr,
+    // tpgid, flags, minflt.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).context("no command name in /proc/self/stat")?;
+    rest.split_whitespace().nth(7).and_then(|f| f.parse().ok()).context("no minflt in /proc/self/stat")
 }
 
 /// Bytes of the blocks this process holds now.
@@ -196,6 +211,7 @@ fn main() -> anyhow::Result<()> {
     let mut worst = 0u64;
     while s.epoch() < args.changes {
         let mark = if args.check_memory && !s.moving() { Some(memory_mark()?) } else { None };
+        let faults = if args.report_faults { minor_faults()? } else { 0 };
         let cp = if args.background { s.checkpoint_background()? } else { s.checkpoint()? };
         if let (Some(rss0), Checkpoint::Resized(_) | Checkpoint::Released(_)) = (mark, &cp) {
             let extra = (status_kib("VmHWM")? << 10).saturating_sub(rss0);
@@ -219,6 +235,11 @@ fn main() -> anyhow::Result<()> {
             Checkpoint::Resized(r) => {
                 verify(&s, &args)
                     .with_context(|| format!("after change {} ({} -> {})", r.seq, r.old_size, r.new_size))?;
+                if args.report_faults {
+                    let (took, pages) = (minor_faults()? - faults, held_bytes(&s, &args)? / 4096);
+                    let rank = s.world().rank();
+                    println!("redist: change {}: rank {rank} took {took} faults for {pages} pages", s.epoch());
+                }
                 if s.world().rank() == 0 {
                     println!("redist: change {}: {} -> {} processes, data intact", s.epoch(), r.old_size, r.new_size);
                     if args.report_files {

@@ -11,13 +11,15 @@
 //! (`DUCTILE_HUGE_PAGES=1`, [`advise_huge`]): twice as fast when the hypervisor has
 //! backed the memory, several times slower when it has not.
 
+use crate::anon::Anon;
 use crate::pages::{Mapping, Run};
 use ductile_transport::Landing;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-/// Bytes with 8-byte alignment: on the heap, or in a shared-memory file whose pages a
-/// move may hand over to another process ([`crate::pages`]).
+/// Bytes with 8-byte alignment: on the heap, in a mapping of their own whose pages a
+/// move may recycle ([`crate::anon`]), or in a shared-memory file whose pages a move may
+/// hand over to another process ([`crate::pages`]).
 #[derive(Debug, Default)]
 pub(crate) struct Aligned {
     store: Store,
@@ -27,7 +29,22 @@ pub(crate) struct Aligned {
 #[derive(Debug)]
 enum Store {
     Words(Vec<u64>),
+    Anon(Anon),
     Mapped(Mapping),
+}
+
+/// Where a registered block lives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Place {
+    /// On the heap.
+    #[default]
+    Heap,
+    /// In a private mapping of its own, whose pages a one-sided move recycles
+    /// ([`crate::anon`]).
+    Pages,
+    /// In a shared-memory file, whose pages a one-sided move hands over
+    /// ([`crate::pages`]).
+    Files,
 }
 
 impl Default for Store {
@@ -36,8 +53,8 @@ impl Default for Store {
     }
 }
 
-/// Blocks of fewer bytes stay on the heap even where pages could be handed over: a few
-/// pages are copied faster than mapped.
+/// Blocks of fewer bytes stay on the heap even where pages could be handed over or
+/// recycled: a few pages are copied faster than mapped.
 const MAPPED_MIN: usize = 1 << 20;
 
 impl Clone for Aligned {
@@ -86,6 +103,36 @@ impl Aligned {
         }
     }
 
+    /// `len` zero bytes for the block whose first byte is the global array's byte
+    /// `first`, placed as `place` asks (on the heap if small or if the kernel refuses).
+    pub(crate) fn placed(place: Place, len: usize, first: u64) -> Self {
+        match place {
+            Place::Heap => Self::zeroed(len),
+            Place::Files => Self::mapped(len, first),
+            Place::Pages if len < MAPPED_MIN => Self::zeroed(len),
+            Place::Pages => match Anon::new(first, len) {
+                Ok(m) => {
+                    let mut a = Self { store: Store::Anon(m), len };
+                    if len >= HUGE_MIN && HUGE_PAGES.load(Ordering::Relaxed) {
+                        advise_huge(a.bytes_mut());
+                    }
+                    a
+                }
+                Err(e) => {
+                    tracing::debug!("a block of {len} bytes stays on the heap: {e}");
+                    Self::zeroed(len)
+                }
+            },
+        }
+    }
+
+    /// A copy of `b` placed as [`Aligned::placed`] does.
+    pub(crate) fn placed_from(place: Place, b: &[u8], first: u64) -> Self {
+        let mut a = Self::placed(place, b.len(), first);
+        fill(a.bytes_mut(), b);
+        a
+    }
+
     /// A copy of `b`.
     pub(crate) fn from_bytes(b: &[u8]) -> Self {
         let mut a = Self::zeroed(b.len());
@@ -93,16 +140,10 @@ impl Aligned {
         a
     }
 
-    /// A copy of `b` as [`Aligned::mapped`] places it.
-    pub(crate) fn mapped_from(b: &[u8], first: u64) -> Self {
-        let mut a = Self::mapped(b.len(), first);
-        fill(a.bytes_mut(), b);
-        a
-    }
-
     pub(crate) fn bytes(&self) -> &[u8] {
         match &self.store {
             Store::Words(w) => &bytemuck::cast_slice::<u64, u8>(w)[..self.len],
+            Store::Anon(m) => m.bytes(),
             Store::Mapped(m) => m.bytes(),
         }
     }
@@ -110,6 +151,7 @@ impl Aligned {
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         match &mut self.store {
             Store::Words(w) => &mut bytemuck::cast_slice_mut::<u64, u8>(w)[..self.len],
+            Store::Anon(m) => m.bytes_mut(),
             Store::Mapped(m) => m.bytes_mut(),
         }
     }
@@ -122,16 +164,16 @@ impl Aligned {
     /// The files behind the block's pages (none on the heap).
     pub(crate) fn runs(&self) -> Vec<Run> {
         match &self.store {
-            Store::Words(_) => Vec::new(),
             Store::Mapped(m) => m.runs(),
+            _ => Vec::new(),
         }
     }
 
     /// The block's own file and the array's byte at its offset 0, if it lives in files.
     pub(crate) fn own_file(&self) -> Option<(std::sync::Arc<std::os::fd::OwnedFd>, u64)> {
         match &self.store {
-            Store::Words(_) => None,
             Store::Mapped(m) => Some(m.own_file()),
+            _ => None,
         }
     }
 
@@ -144,6 +186,33 @@ impl Aligned {
         }
     }
 
+    /// The block's mapping, if it lives in one whose pages may be recycled
+    /// ([`crate::anon`]).
+    pub(crate) fn pages(&self) -> Option<&Anon> {
+        match &self.store {
+            Store::Anon(m) if m.recyclable() => Some(m),
+            _ => None,
+        }
+    }
+
+    /// As [`Aligned::pages`], to move pages out of or record pages moved in.
+    pub(crate) fn pages_mut(&mut self) -> Option<&mut Anon> {
+        match &mut self.store {
+            Store::Anon(m) if m.recyclable() => Some(m),
+            _ => None,
+        }
+    }
+
+    /// Records pages moved into the block's mapping at `ranges` (mapping offsets, see
+    /// [`crate::anon::move_pages`]).
+    pub(crate) fn moved_in(&mut self, ranges: &[std::ops::Range<usize>]) {
+        if let Store::Anon(m) = &mut self.store {
+            for r in ranges {
+                m.moved_in(r.clone());
+            }
+        }
+    }
+
     /// The block as a landing for gets to read into in place.
     pub(crate) fn into_landing(self) -> Arc<Landing> {
         Landing::from_owner(self)
@@ -152,6 +221,16 @@ impl Aligned {
     /// The block back from its landing; `None` while a part is still out.
     pub(crate) fn from_landing(landing: Arc<Landing>) -> Option<Self> {
         Landing::into_owner(landing).ok()
+    }
+}
+
+/// A block shared between a move and the transport that serves it as a window (see
+/// [`crate::anon`]): the move takes it back once the transport lets go.
+pub(crate) struct Shared(pub std::sync::Arc<Aligned>);
+
+impl AsRef<[u8]> for Shared {
+    fn as_ref(&self) -> &[u8] {
+        self.0.bytes()
     }
 }
 

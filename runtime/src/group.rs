@@ -126,6 +126,12 @@ impl AsyncGroup {
         self.core.endpoint.transport().capabilities().shares_memory && crate::pages::handover()
     }
 
+    /// Whether one-sided moves recycle the pages of old blocks into new ones (see
+    /// `crate::anon::recycling`).
+    pub(crate) fn recycles_pages(&self) -> bool {
+        crate::anon::recycling(&self.core.endpoint.transport().capabilities())
+    }
+
     /// Sends `payload` within this call if the transport takes it at once (a small
     /// message to a connected peer): true if sent; false if nothing was sent and
     /// [`AsyncGroup::send_bytes`] must send it.

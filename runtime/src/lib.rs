@@ -24,6 +24,7 @@
 //! }
 //! ```
 
+mod anon;
 mod block;
 mod blocking;
 pub mod bootstrap;

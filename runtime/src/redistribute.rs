@@ -36,6 +36,14 @@
 //!   of such items live in shared-memory files, a source's announcement carries the
 //!   files behind its pages, and a target maps the whole pages of its overlap over its
 //!   own and reads only the pages at the overlap's ends ([`crate::pages`]).
+//!   Over a transport that lets go of a window once its readers have the bytes
+//!   (`Capabilities::releases_windows`: tcp), a blocking move recycles pages instead:
+//!   the blocks of such items are mappings of their own, and a target that was a
+//!   source, once its readers are done, moves its old block's pages into its new block
+//!   (`mremap`): its own overlap's with their bytes, the rest under overlaps from
+//!   members that leave, which it reads into them then ([`crate::anon`]). Only reads
+//!   from members that leave wait so, and a target tells the members that stay that it
+//!   is done as soon as its other reads are, so no two targets wait for each other.
 //!
 //! The new block is allocated once at its final size and lent to the transport in
 //! disjoint parts ([`ductile_transport::Landing`]) that gets and receives fill in place;
@@ -47,6 +55,7 @@
 //! a pause after each so that the move keeps the processes busy only a share of the
 //! time (`DUCTILE_BACKGROUND_SHARE`), leaving the cores to the computation it overlaps.
 
+use crate::anon::Anon;
 use crate::block::Aligned;
 use crate::error::{Error, Result};
 use crate::group::AsyncGroup;
@@ -62,6 +71,7 @@ use std::ops::Range;
 use std::os::fd::OwnedFd;
 use std::str::FromStr;
 use std::sync::Arc;
+use tokio::sync::oneshot;
 
 /// Largest piece of an overlap moved by one message or one get.
 pub const SEGMENT: usize = 8 << 20;
@@ -253,12 +263,20 @@ impl Move<'_> {
     }
 
     /// Runs the move with `method`, filling `new` (the new block, `None` for a member
-    /// that leaves) from `old` (the old block, empty for a member that joined).
-    pub(crate) async fn run(&self, method: Method, old: Bytes, new: Option<&mut Aligned>) -> Result<()> {
+    /// that leaves) from `old` (the old block, empty for a member that joined). `pages`
+    /// is the old block itself (the owner of `old`) if a one-sided move may recycle its
+    /// pages ([`crate::anon`]).
+    pub(crate) async fn run(
+        &self,
+        method: Method,
+        old: Bytes,
+        pages: Option<Arc<Aligned>>,
+        new: Option<&mut Aligned>,
+    ) -> Result<()> {
         match method {
             Method::P2p => self.p2p(old, new).await,
             Method::Collective => self.collective(old, new).await,
-            Method::Rma => self.rma(old, new).await,
+            Method::Rma => self.rma(old, pages, new).await,
         }
     }
 
@@ -422,7 +440,7 @@ impl Move<'_> {
         Ok(())
     }
 
-    async fn rma(&self, old: Bytes, new: Option<&mut Aligned>) -> Result<()> {
+    async fn rma(&self, old: Bytes, pages: Option<Arc<Aligned>>, new: Option<&mut Aligned>) -> Result<()> {
         let (t, me) = (self.t, self.t.rank());
         let remote: Vec<(usize, Range<usize>)> = self.sends().into_iter().filter(|(k, _)| *k != me).collect();
         let window = if remote.is_empty() { None } else { Some(t.expose(old.clone())?) };
@@ -436,12 +454,21 @@ impl Move<'_> {
         let hand_over = !Pacer::new(self.share).paced() && !in_turn;
         let offer = if hand_over { Offer::of(&self.old_runs) } else { None };
         let announcement = announcement(window, offer.as_ref())?;
-        let serve = self.rma_serve(&remote, &announcement, in_turn);
-        let read = self.rma_read(&old, new, in_turn, hand_over, offer.is_some());
+        // The old block's pages are recycled into the new block in the same blocking
+        // moves, when both blocks are mappings of their own (see `crate::anon`).
+        let recycle =
+            pages.filter(|p| hand_over && p.pages().is_some() && new.as_ref().is_some_and(|b| b.pages().is_some()));
+        let (served, served_rx) = oneshot::channel();
+        let serve = async {
+            let took = self.rma_serve(&remote, &announcement, in_turn).await?;
+            if let Some(w) = window {
+                t.withdraw(w)?;
+            }
+            let _ = served.send(());
+            Ok(took)
+        };
+        let read = self.rma_read(old, recycle.map(|p| (p, served_rx)), new, in_turn, hand_over, offer.is_some());
         let (took, own_took) = try_join(serve, read).await?;
-        if let Some(w) = window {
-            t.withdraw(w)?;
-        }
         self.punch_untaken(&took, own_took);
         Ok(())
     }
@@ -477,10 +504,15 @@ impl Move<'_> {
 
     /// A target's side of [`Move::rma`]: reads (or takes the pages of) every overlap of
     /// its new block, copies its own overlap from `old`, and tells each source it is
-    /// done. Returns whether it took its own overlap's pages.
+    /// done. With `recycle` (the old block, and the signal that its readers are done),
+    /// the old block's pages are moved into the new block once its readers are done:
+    /// its own overlap's with their bytes, the others under overlaps from members that
+    /// leave, which are read into them then ([`Move::recycled_reads`]). Returns whether
+    /// it took its own overlap's pages.
     async fn rma_read(
         &self,
-        old: &Bytes,
+        old: Bytes,
+        recycle: Option<(Arc<Aligned>, oneshot::Receiver<()>)>,
         new: Option<&mut Aligned>,
         in_turn: bool,
         hand_over: bool,
@@ -490,6 +522,8 @@ impl Move<'_> {
         let (Some(plan), Some(block)) = (self.drain(), new) else { return Ok(false) };
         let mapped = hand_over && block.is_mapped();
         let own_file = block.own_file();
+        let new_phase = block.pages().map(Anon::phase).filter(|_| recycle.is_some());
+        let old_pages = recycle.as_ref().and_then(|(old, _)| old.pages());
         // Gets write straight into the new block, each segment into its own part.
         let landing = std::mem::take(block).into_landing();
         let lend = |seg: Range<usize>| landing.part(seg).ok_or_else(|| plan_error("overlapping segments"));
@@ -498,17 +532,28 @@ impl Move<'_> {
         // query to its owner, the backend splits the read as it needs.
         let seg_len = if pacer.paced() { SEGMENT } else { LARGEST_GET };
         let first = block_range(self.global, self.new_n, self.my_new.unwrap_or(0)).start;
+        let overlaps: Vec<(usize, Range<usize>, usize)> = self
+            .receives(&plan)
+            .into_iter()
+            .map(|(src, range)| {
+                // Where this overlap starts inside the source's block, in bytes.
+                let src_first = block_range(self.global, self.old_n, src as u32).start;
+                (src, range, self.bytes(first + plan.displs[src] - src_first))
+            })
+            .collect();
+        let own = overlaps.iter().find(|(src, ..)| *src == me).map(|(_, r, at)| (r.clone(), *at));
+        // Bytes of whole pages the old block can give to overlaps other than its own.
+        let mut spare = old_pages.map_or(0, |p| {
+            let own_at = own.as_ref().map(|(range, at)| *at..at + range.len());
+            spare_pages(p, own_at.as_ref()).iter().map(ExactSizeIterator::len).sum()
+        });
         let mut gets = Vec::new();
         let mut sources = Vec::new();
-        let mut own = None;
         let mut fetches = Vec::new();
         let mut adopted = Vec::new();
-        for (src, range) in self.receives(&plan) {
-            // Where this overlap starts inside the source's block, in bytes.
-            let src_first = block_range(self.global, self.old_n, src as u32).start;
-            let at = self.bytes(first + plan.displs[src] - src_first);
+        let mut deferred = Vec::new();
+        for (src, range, at) in overlaps {
             if src == me {
-                own = Some((range, at));
                 continue;
             }
             if in_turn {
@@ -525,8 +570,24 @@ impl Move<'_> {
             let (b, _) = t.recv_tagged(Some(src), TagMatch::Tag(self.tag)).await?;
             let (id, offer) = parse_announcement(&b, src)?;
             let runs = offer.filter(|_| mapped).and_then(|o| self.offered_runs(src, &o, &range, &adopted));
-            let (rest, took) = self.take_pages(&landing, range.clone(), runs.as_deref(), own_file.as_ref())?;
-            sources.push((src, !took.is_empty()));
+            let (mut rest, took) = self.take_pages(&landing, range.clone(), runs.as_deref(), own_file.as_ref())?;
+            // Only overlaps from members that leave wait for recycled pages: such a
+            // member reads nothing, so no target waits for it, and a target's notices
+            // to members that stay never wait for recycled pages (see `recycled_reads`).
+            let leaves = !self.member_of_new.contains(&src);
+            if let (Some(phase), true) = (new_phase, leaves) {
+                let (fresh, later) = carve(range.clone(), phase, &mut spare);
+                rest = fresh;
+                if let Some(piece) = later {
+                    let offset = (at + piece.start - range.start) as u64;
+                    let map_at = piece.start + phase;
+                    deferred.push(Deferred { src, window: id, offset, part: lend(piece)?, map_at });
+                }
+            }
+            // A source with a deferred read is told once that is done too.
+            if deferred.last().is_none_or(|d| d.src != src) {
+                sources.push((src, !took.is_empty()));
+            }
             adopted.extend(took);
             for piece in rest {
                 for seg in segments(piece.clone(), seg_len) {
@@ -539,18 +600,25 @@ impl Move<'_> {
                 }
             }
         }
-        // The own overlap's whole pages are mapped from this process's own files, if
-        // they are few enough to be offered (see `crate::pages::Offer::of`).
+        // With recycling, the own overlap moves with the old block's pages. Else its
+        // whole pages are mapped from this process's own files, if they are few enough
+        // to be offered (see `crate::pages::Offer::of`), and the rest copied.
         let mut own_parts = Vec::new();
         let mut own_took = false;
+        let mut own_later = None;
         if let Some((range, at)) = own {
-            let runs = Some(&self.old_runs[..]).filter(|_| mapped && own_offered);
-            let took;
-            (own_parts, took) = self.own_overlap(&landing, range, at, runs, own_file.as_ref())?;
-            own_took = !took.is_empty();
-            adopted.extend(took);
+            if new_phase.is_some() {
+                own_later = Some((lend(range.clone())?, range, at));
+            } else {
+                let runs = Some(&self.old_runs[..]).filter(|_| mapped && own_offered);
+                let took;
+                (own_parts, took) = self.own_overlap(&landing, range, at, runs, own_file.as_ref())?;
+                own_took = !took.is_empty();
+                adopted.extend(took);
+            }
         }
         let window = pacer.window(GETS_IN_FLIGHT);
+        let late: Vec<(usize, bool)> = deferred.iter().map(|d| (d.src, false)).collect();
         let remote = async {
             try_join_all(fetches).await?;
             let mut done = stream::iter(gets).buffer_unordered(window);
@@ -558,7 +626,13 @@ impl Move<'_> {
                 drop(part);
                 pacer.segment_done().await;
             }
-            Ok::<(), Error>(())
+            self.notify_done(&sources).await
+        };
+        let recycled = async {
+            match (recycle, new_phase) {
+                (Some(recycle), Some(phase)) => self.recycled_reads(recycle, phase, own_later, deferred).await,
+                _ => Ok(Vec::new()),
+            }
         };
         // The own overlap is copied once the first gets are on their way (polled
         // first, they send their requests), while the backend brings their bytes.
@@ -567,13 +641,65 @@ impl Move<'_> {
                 let n = part.len();
                 crate::block::fill(part.as_mut_slice(), &old[from..from + n]);
             }
+            drop(old);
             Ok(())
         };
-        try_join(remote, copy).await?;
+        let ((), moved, ()) = try_join3(remote, recycled, copy).await?;
+        // Members that leave are told last: all reads from them are done.
+        self.notify_done(&late).await?;
         *block = Aligned::from_landing(landing).ok_or_else(|| plan_error("a get still holds the block"))?;
         block.adopt(adopted);
-        self.notify_done(&sources).await?;
+        block.moved_in(&moved);
         Ok(own_took)
+    }
+
+    /// The recycling half of a target's reads ([`Move::rma_read`]): once this member's
+    /// readers are done (`served`) and every reference to its old block is gone, moves
+    /// the old block's pages into the new one (whose mapping starts its bytes at
+    /// `phase`): those of the own overlap (`own`: its part, its range in the new block,
+    /// where it starts in the old one) with their bytes, the rest under the `deferred`
+    /// reads, which are then read into them. Without the old block to itself (the
+    /// transport still holds a reference after [`RECLAIM_WAIT`]) or where the kernel
+    /// refuses a move, bytes are copied and reads go to fresh pages. Returns the ranges
+    /// of the new block's mapping that hold moved pages.
+    async fn recycled_reads(
+        &self,
+        (old_block, served): (Arc<Aligned>, oneshot::Receiver<()>),
+        phase: usize,
+        own: Option<(Part, Range<usize>, usize)>,
+        mut deferred: Vec<Deferred>,
+    ) -> Result<Vec<Range<usize>>> {
+        served.await.map_err(|_| plan_error("the old block's readers were not waited for"))?;
+        let mut moved = Vec::new();
+        match reclaim(old_block).await {
+            Ok(mut old) => {
+                let own_at = own.as_ref().map(|(_, range, at)| *at..at + range.len());
+                let mut spare = old.pages().map_or_else(Vec::new, |p| spare_pages(p, own_at.as_ref()));
+                if let Some((mut part, range, at)) = own {
+                    moved.extend(move_own(&mut old, &mut part, (&range, phase), at));
+                }
+                if let Some(pages) = old.pages_mut() {
+                    for d in &mut deferred {
+                        let n = recycle_into(d.part.as_mut_slice(), pages, &mut spare);
+                        moved.extend(Some(d.map_at..d.map_at + n).filter(|r| !r.is_empty()));
+                    }
+                }
+            }
+            Err(shared) => {
+                tracing::debug!("copying an own overlap: the transport still holds the old block");
+                if let Some((mut part, _, at)) = own {
+                    let n = part.len();
+                    crate::block::fill(part.as_mut_slice(), &shared.bytes()[at..at + n]);
+                }
+            }
+        }
+        let t = self.t;
+        let gets = deferred.into_iter().map(|mut d| async move {
+            self.prepare(&mut d.part);
+            t.get_into(d.src, d.window, d.offset, d.part).await
+        });
+        drop(try_join_all(gets).await?);
+        Ok(moved)
     }
 
     /// The runs of source `src`'s `offer` over the overlap `range` of the new block,
@@ -706,6 +832,114 @@ type Copies = Vec<(Part, usize)>;
 
 /// A target's "done reading" notice that says it took the source's pages over.
 const TOOK_PAGES: u8 = 1;
+
+/// A read that waits for recycled pages ([`Move::recycled_reads`]).
+struct Deferred {
+    src: usize,
+    window: WindowId,
+    /// Where it starts in the source's block.
+    offset: u64,
+    /// Where it lands: whole pages of the new block.
+    part: Part,
+    /// The part's first byte as an offset into the new block's mapping.
+    map_at: usize,
+}
+
+/// How long a target waits for the transport to drop its last reference to the old
+/// block (a reply being written when the last reader's notice came) before it gives up
+/// recycling the block's pages.
+const RECLAIM_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// The old block to itself, once no one else holds it (or back after [`RECLAIM_WAIT`]).
+async fn reclaim(mut shared: Arc<Aligned>) -> std::result::Result<Aligned, Arc<Aligned>> {
+    let deadline = tokio::time::Instant::now() + RECLAIM_WAIT;
+    loop {
+        match Arc::try_unwrap(shared) {
+            Ok(block) => return Ok(block),
+            Err(s) if tokio::time::Instant::now() >= deadline => return Err(s),
+            Err(s) => {
+                shared = s;
+                tokio::time::sleep(std::time::Duration::from_micros(200)).await;
+            }
+        }
+    }
+}
+
+/// The pages of an old block's mapping that its own overlap (bytes `own` of the old
+/// block) does not touch: those it can give to other overlaps, as mapping offsets.
+fn spare_pages(old: &Anon, own: Option<&Range<usize>>) -> Vec<Range<usize>> {
+    let all = old.mapping();
+    let Some(own) = own else { return vec![all] };
+    let t = crate::anon::touched(old.phase(), own);
+    [all.start..t.start, t.end..all.end].into_iter().filter(|r| !r.is_empty()).collect()
+}
+
+/// Splits an overlap (`range` of a new block whose mapping starts its bytes at `phase`)
+/// into the pieces read into fresh pages and the whole pages, up to `spare` bytes of
+/// them (taken from it), read into recycled ones.
+fn carve(range: Range<usize>, phase: usize, spare: &mut usize) -> (Vec<Range<usize>>, Option<Range<usize>>) {
+    let inner = crate::anon::inner(phase, &range);
+    let k = (*spare).min(inner.len());
+    if k == 0 {
+        return (vec![range], None);
+    }
+    *spare -= k;
+    let later = inner.end - k - phase..inner.end - phase;
+    let fresh = [range.start..later.start, later.end..range.end].into_iter().filter(|r| !r.is_empty()).collect();
+    (fresh, Some(later))
+}
+
+/// Moves the whole pages of the own overlap (`range` of the new block, whose mapping
+/// starts its bytes at `phase`; at `at` in `old`) from the old block into `part`, which
+/// holds `range`, and copies the rest. Returns the range of the new block's mapping
+/// that holds moved pages.
+fn move_own(
+    old: &mut Aligned,
+    part: &mut Part,
+    (range, phase): (&Range<usize>, usize),
+    at: usize,
+) -> Option<Range<usize>> {
+    let n = range.len();
+    let inner = crate::anon::inner(phase, range);
+    let (lo, hi) =
+        if inner.is_empty() { (0, 0) } else { (inner.start - phase - range.start, inner.end - phase - range.start) };
+    let mut moved = 0;
+    if let Some(pages) = old.pages_mut().filter(|_| hi > lo) {
+        let from = at + lo + pages.phase();
+        if let Err((m, e)) = crate::anon::move_pages(&mut part.as_mut_slice()[lo..hi], pages, from) {
+            tracing::debug!("copying an own overlap: the kernel would not move its pages: {e}");
+            moved = m;
+        } else {
+            moved = hi - lo;
+        }
+    }
+    let (dst, src) = (part.as_mut_slice(), &old.bytes()[at..at + n]);
+    crate::block::fill(&mut dst[..lo], &src[..lo]);
+    crate::block::fill(&mut dst[lo + moved..], &src[lo + moved..]);
+    (moved > 0).then(|| inner.start..inner.start + moved)
+}
+
+/// Moves pages of `old` from the front of `spare` (mapping offsets, taken from it)
+/// under `dst` (whole pages), as many as there are. Returns the bytes of `dst` from its
+/// start that now hold moved pages; the rest keeps its fresh ones.
+fn recycle_into(dst: &mut [u8], old: &mut Anon, spare: &mut Vec<Range<usize>>) -> usize {
+    let mut done = 0;
+    while done < dst.len() {
+        let Some(front) = spare.first_mut() else { break };
+        let k = front.len().min(dst.len() - done);
+        if let Err((m, e)) = crate::anon::move_pages(&mut dst[done..done + k], old, front.start) {
+            tracing::debug!("fresh pages for a read: the kernel would not move old ones: {e}");
+            spare.clear();
+            return done + m;
+        }
+        front.start += k;
+        if front.start == front.end {
+            spare.remove(0);
+        }
+        done += k;
+    }
+    done
+}
 
 /// Splits a byte range into pieces of at most `len` bytes (one empty piece for an empty
 /// range, so it still travels).

@@ -11,7 +11,7 @@
 //! Blocks are stored 8-byte aligned, so element types of alignment up to 8 (all the
 //! integer and float types and structs of them) can be viewed in place.
 
-use crate::block::Aligned;
+use crate::block::{Aligned, Place, Shared};
 use crate::error::{Error, Result};
 use crate::group::AsyncGroup;
 use crate::pages::Run;
@@ -22,6 +22,7 @@ use ductile_redistrib::block_range;
 use ductile_transport::Tag;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// Largest element alignment a distributed item may have.
 pub const MAX_ALIGN: usize = 8;
@@ -79,8 +80,8 @@ pub(crate) struct How {
     pub method: Option<Method>,
     /// It may move in the background (see [`Kind::Distributed`]).
     pub constant: bool,
-    /// Its blocks live where their pages can be handed over (see [`crate::pages`]).
-    pub mapped: bool,
+    /// Where its blocks live.
+    pub place: Place,
 }
 
 /// Where a process stands in a change: its old and new part numbers.
@@ -127,7 +128,7 @@ impl Registry {
         block: &[T],
         how: How,
     ) -> Result<()> {
-        let How { method, constant, mapped } = how;
+        let How { method, constant, place } = how;
         self.absent(name)?;
         let (elem, align) = (std::mem::size_of::<T>(), std::mem::align_of::<T>());
         if elem == 0 || align > MAX_ALIGN {
@@ -159,11 +160,7 @@ impl Registry {
             },
         });
         let bytes = bytemuck::cast_slice(block);
-        self.blocks.push(if mapped {
-            Aligned::mapped_from(bytes, want.start * elem as u64)
-        } else {
-            Aligned::from_bytes(bytes)
-        });
+        self.blocks.push(Aligned::placed_from(place, bytes, want.start * elem as u64));
         self.moving.push(None);
         Ok(())
     }
@@ -305,10 +302,17 @@ impl Registry {
                 continue;
             }
             // The old block is handed to the transport as it is, without a copy; the files
-            // behind its pages, if any, go to the move as well.
+            // behind its pages, if any, go to the move as well, and the block itself if
+            // its pages may be recycled.
             let runs = self.blocks[i].runs();
-            let old = Bytes::from_owner(std::mem::take(&mut self.blocks[i]));
-            self.blocks[i] = plan.run(t, i, global, elem, own.unwrap_or(method), (old, runs)).await?;
+            let block = std::mem::take(&mut self.blocks[i]);
+            let old = if block.pages().is_some() {
+                let shared = Arc::new(block);
+                Old { bytes: Bytes::from_owner(Shared(shared.clone())), runs, pages: Some(shared) }
+            } else {
+                Old { bytes: Bytes::from_owner(block), runs, pages: None }
+            };
+            self.blocks[i] = plan.run(t, i, global, elem, own.unwrap_or(method), old).await?;
         }
         Ok(())
     }
@@ -334,8 +338,9 @@ impl Registry {
             }
             let old = Bytes::from_owner(std::mem::take(&mut self.blocks[i]));
             self.moving[i] = Some(old.clone());
-            // A background move hands no page over (see `crate::pages`).
-            work.push((i, global, elem, own.unwrap_or(method), (old, Vec::new())));
+            // A background move hands no page over (see `crate::pages`) and recycles none
+            // (see `crate::anon`).
+            work.push((i, global, elem, own.unwrap_or(method), Old { bytes: old, runs: Vec::new(), pages: None }));
         }
         async move {
             let mut moved = Vec::with_capacity(work.len());
@@ -371,6 +376,17 @@ impl Registry {
     }
 }
 
+/// A member's old block as a move takes it.
+struct Old {
+    /// Its bytes, shared with the transport without a copy.
+    bytes: Bytes,
+    /// The files behind its pages, if it lives in files (see `crate::pages`).
+    runs: Vec<Run>,
+    /// The block itself (the owner of `bytes`), if its pages may be recycled (see
+    /// `crate::anon`).
+    pages: Option<Arc<Aligned>>,
+}
+
 /// Where this member stands in a change, for every item's move.
 struct Plan {
     parts: Parts,
@@ -393,15 +409,7 @@ impl Plan {
     }
 
     /// Moves item `i` from `old` (this member's old block) and returns its new block.
-    async fn run(
-        &self,
-        t: &AsyncGroup,
-        i: usize,
-        global: u64,
-        elem: u64,
-        method: Method,
-        (old, old_runs): (Bytes, Vec<Run>),
-    ) -> Result<Aligned> {
+    async fn run(&self, t: &AsyncGroup, i: usize, global: u64, elem: u64, method: Method, old: Old) -> Result<Aligned> {
         let index = i as u32 & 0x00ff_ffff;
         let mv = Move {
             t,
@@ -414,23 +422,24 @@ impl Plan {
             tag: Tag(REGISTRY_TAG | index),
             done_tag: Tag(REGISTRY_DONE_TAG | index),
             share: self.share,
-            old_runs,
+            old_runs: old.runs,
         };
         // One-sidedly moved items live where their pages can be handed over, when the
-        // transport allows it (see `crate::pages`), at the next move too. Not after a
-        // background move, which copies: fresh pages of a shared-memory file take twice
-        // as long to populate as the heap's (256 MiB: 135 against 70 ms here).
-        let mapped = method == Method::Rma && t.hands_over_pages() && self.share.is_none();
+        // transport allows it (see `crate::pages`), or else recycled (see
+        // `crate::anon`), at the next move too. Not after a background move, which
+        // neither hands over nor recycles: fresh pages of a shared-memory file take
+        // twice as long to populate as the heap's (256 MiB: 135 against 70 ms here).
+        let place = match method {
+            Method::Rma if self.share.is_none() && t.hands_over_pages() => Place::Files,
+            Method::Rma if self.share.is_none() && t.recycles_pages() => Place::Pages,
+            _ => Place::Heap,
+        };
         let mut block = self.my_new.map(|n| {
             let r = block_range(global, self.parts.new_n, n);
             let len = usize::try_from((r.end - r.start) * elem).unwrap_or(usize::MAX);
-            if mapped {
-                Aligned::mapped(len, r.start * elem)
-            } else {
-                Aligned::zeroed(len)
-            }
+            Aligned::placed(place, len, r.start * elem)
         });
-        mv.run(method, old, block.as_mut()).await?;
+        mv.run(method, old.bytes, old.pages, block.as_mut()).await?;
         Ok(block.unwrap_or_default())
     }
 }

@@ -1,5 +1,6 @@
 //! Joining a job: [`init`] and the [`Session`] it returns.
 
+use crate::block::Place;
 use crate::bootstrap::{
     self, Change, CheckpointMode, Decision, FromRank, Membership, RankHandoff, SwitchTimes, ToRank, TransportSpec,
     HANDOFF_VERSION,
@@ -214,6 +215,7 @@ pub fn init() -> Result<Session> {
     }
     crate::block::set_huge_pages(env.huge_pages);
     crate::pages::set_handover(env.page_handover);
+    crate::anon::set_recycling(env.page_recycle);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(env.threads)
         .thread_name("ductile-progress")
@@ -869,7 +871,7 @@ impl Session {
     /// alignment is above 8.
     pub fn distribute<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T]) -> Result<()> {
         let part = (self.world.rank() as u32, self.world.size() as u32);
-        let how = How { method: None, constant: false, mapped: self.maps_blocks(None) };
+        let how = How { method: None, constant: false, place: self.place_of(None) };
         self.registry.distribute(name, global_len, part, block, how)
     }
 
@@ -883,7 +885,7 @@ impl Session {
     /// As [`Session::distribute`].
     pub fn distribute_by<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T], method: Method) -> Result<()> {
         let part = (self.world.rank() as u32, self.world.size() as u32);
-        let how = How { method: Some(method), constant: false, mapped: self.maps_blocks(Some(method)) };
+        let how = How { method: Some(method), constant: false, place: self.place_of(Some(method)) };
         self.registry.distribute(name, global_len, part, block, how)
     }
 
@@ -899,7 +901,7 @@ impl Session {
     /// As [`Session::distribute`].
     pub fn distribute_constant<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T]) -> Result<()> {
         let part = (self.world.rank() as u32, self.world.size() as u32);
-        let how = How { method: None, constant: true, mapped: self.maps_blocks(None) };
+        let how = How { method: None, constant: true, place: self.place_of(None) };
         self.registry.distribute(name, global_len, part, block, how)
     }
 
@@ -917,16 +919,25 @@ impl Session {
         method: Method,
     ) -> Result<()> {
         let part = (self.world.rank() as u32, self.world.size() as u32);
-        let how = How { method: Some(method), constant: true, mapped: self.maps_blocks(Some(method)) };
+        let how = How { method: Some(method), constant: true, place: self.place_of(Some(method)) };
         self.registry.distribute(name, global_len, part, block, how)
     }
 
-    /// Whether the blocks of an item moved by `method` (the job's if `None`) live where
-    /// their pages can be handed over (see [`crate::pages`]).
-    fn maps_blocks(&self, method: Option<Method>) -> bool {
-        method.unwrap_or(self.method) == Method::Rma
-            && self.endpoint.transport().capabilities().shares_memory
-            && crate::pages::handover()
+    /// Where the blocks of an item moved by `method` (the job's if `None`) live: where
+    /// one-sided moves can hand their pages over (see [`crate::pages`]) or recycle them
+    /// (see [`crate::anon`]), else on the heap.
+    fn place_of(&self, method: Option<Method>) -> Place {
+        if method.unwrap_or(self.method) != Method::Rma {
+            return Place::Heap;
+        }
+        let caps = self.endpoint.transport().capabilities();
+        if caps.shares_memory && crate::pages::handover() {
+            Place::Files
+        } else if crate::anon::recycling(&caps) {
+            Place::Pages
+        } else {
+            Place::Heap
+        }
     }
 
     /// Whether constant items are moving in the background (the change completes at a

@@ -57,6 +57,12 @@ pub struct Capabilities {
     /// the runtime may hand whole pages of one-sidedly moved blocks over between
     /// processes instead of copying them.
     pub shares_memory: bool,
+    /// Once a get's reader has its bytes, the backend holds no reference to the
+    /// window's memory (tcp: a reply is copied into the socket as it is written), so a
+    /// withdrawn window's pages may be moved elsewhere (the runtime recycles them into
+    /// new blocks). Not quic (sent stream data is kept until acknowledged) nor fabric
+    /// (registration caches may outlive a window).
+    pub releases_windows: bool,
 }
 
 impl Capabilities {
@@ -69,6 +75,7 @@ impl Capabilities {
         serial_reads: false,
         populates: false,
         shares_memory: false,
+        releases_windows: false,
     };
 }
 

@@ -319,7 +319,7 @@ impl Transport for TcpTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { polled: true, ..Capabilities::BASIC }
+        Capabilities { polled: true, releases_windows: true, ..Capabilities::BASIC }
     }
 
     fn local_addr(&self) -> EndpointAddr {

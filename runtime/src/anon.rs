@@ -1,0 +1,287 @@
+//! Blocks in private anonymous mappings of their own, whose pages a one-sided move
+//! recycles instead of faulting in fresh ones.
+//!
+//! Over a transport that copies (tcp, quic), a shrink is bound by the processor: the
+//! sources' copies into the sockets, the targets' copies out of them and the first
+//! touch of every page of the new blocks (a fault per 4 KiB page, 80 ms per 256 MiB on
+//! this project's VM) share two cores (docs/BENCHMARKS.md). Yet a target that was a
+//! source holds, once its readers are done, a whole old block of pages it is about to
+//! free. The one-sided executor moves those pages into its new block with `mremap`
+//! (page tables change, no byte is copied, no page faulted) before reading into them:
+//! the pages of its own overlap keep their bytes and land where the new block wants
+//! them, the others are overwritten by the gets.
+//!
+//! For the own overlap to move whole, a block is mapped as [`crate::pages::Mapping`]
+//! maps its files: the global array's byte `g` sits at mapping offset `g - origin`,
+//! `origin` being the block's first byte rounded down to a page, so the array's page
+//! boundaries are the mapping's in every block.
+//!
+//! `mremap` moves pages within one kernel mapping only, and each move makes the
+//! destination's range a mapping of its own. A block keeps the offsets where such
+//! mappings meet ([`Anon::seams`]) and moves are split there; a block with more than
+//! [`MAX_SEAMS`] of them is neither recycled nor recycled into, which bounds the
+//! mappings a process holds over many changes.
+
+use ductile_transport::Capabilities;
+use std::io;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::pages::page;
+
+/// Whether pages may be recycled (`DUCTILE_PAGE_RECYCLE`, set by `init`).
+static RECYCLE: AtomicBool = AtomicBool::new(true);
+
+/// Turns page recycling on or off (`DUCTILE_PAGE_RECYCLE`).
+pub(crate) fn set_recycling(on: bool) {
+    RECYCLE.store(on, Ordering::Relaxed);
+}
+
+/// Whether one-sided moves over a transport with `caps` recycle pages: it is on, and
+/// the transport lets go of a window's memory once its readers have their bytes
+/// (`releases_windows`: tcp) and does not hand pages over itself (`shares_memory`,
+/// see [`crate::pages`]).
+pub(crate) fn recycling(caps: &Capabilities) -> bool {
+    RECYCLE.load(Ordering::Relaxed) && caps.releases_windows && !caps.shares_memory
+}
+
+/// A block with more seams than this is neither recycled nor recycled into.
+pub(crate) const MAX_SEAMS: usize = 32;
+
+/// A block's bytes in a private anonymous mapping of its own, placed at the global
+/// array's page boundaries (see the module docs).
+#[derive(Debug)]
+pub(crate) struct Anon {
+    base: *mut u8,
+    map_len: usize,
+    /// Where the block's bytes start in the mapping.
+    phase: usize,
+    len: usize,
+    /// Mapping offsets (page aligned, strictly inside) where two kernel mappings may
+    /// meet, sorted.
+    seams: Vec<usize>,
+}
+
+// SAFETY: the mapping is memory this value owns alone (unmapped on drop).
+unsafe impl Send for Anon {}
+// SAFETY: shared access only reads.
+unsafe impl Sync for Anon {}
+
+impl Anon {
+    /// `len` zero bytes for the block whose first byte is the array's byte `first`.
+    /// The pages are only reserved: each is populated when first written.
+    ///
+    /// # Errors
+    /// The kernel refuses the mapping (no address space, a mapping limit).
+    pub(crate) fn new(first: u64, len: usize) -> io::Result<Self> {
+        let phase = usize::try_from(first % page() as u64).map_err(io::Error::other)?;
+        let map_len = (phase + len).next_multiple_of(page()).max(page());
+        // SAFETY: a fresh private mapping placed by the kernel.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self { base: base.cast(), map_len, phase, len, seams: Vec::new() })
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: [phase, phase + len) lies inside the mapping, which lives as long as
+        // `self`.
+        unsafe { std::slice::from_raw_parts(self.base.add(self.phase), self.len) }
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, borrowed exclusively.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(self.phase), self.len) }
+    }
+
+    /// Where the block's byte 0 sits in the mapping.
+    pub(crate) fn phase(&self) -> usize {
+        self.phase
+    }
+
+    /// The whole pages of the mapping, as mapping offsets.
+    pub(crate) fn mapping(&self) -> Range<usize> {
+        0..self.map_len
+    }
+
+    /// Whether the block may be recycled or recycled into ([`MAX_SEAMS`]).
+    pub(crate) fn recyclable(&self) -> bool {
+        self.seams.len() <= MAX_SEAMS
+    }
+
+    /// The mapping offsets where two kernel mappings may meet.
+    #[cfg(test)]
+    pub(crate) fn seams(&self) -> &[usize] {
+        &self.seams
+    }
+
+    /// Records that the mapping range `at` (page aligned) now holds pages moved in
+    /// from elsewhere ([`move_pages`]).
+    pub(crate) fn moved_in(&mut self, at: Range<usize>) {
+        for s in [at.start, at.end] {
+            if s > 0 && s < self.map_len {
+                if let Err(i) = self.seams.binary_search(&s) {
+                    self.seams.insert(i, s);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Anon {
+    fn drop(&mut self) {
+        // SAFETY: the mapping is ours and nothing borrows it any more.
+        unsafe { libc::munmap(self.base.cast(), self.map_len) };
+    }
+}
+
+/// The whole pages of the mapping inside the block's byte range `r`, as mapping
+/// offsets (empty if none).
+pub(crate) fn inner(phase: usize, r: &Range<usize>) -> Range<usize> {
+    let start = (r.start + phase).next_multiple_of(page());
+    let end = (r.end + phase) / page() * page();
+    if end > start {
+        start..end
+    } else {
+        start..start
+    }
+}
+
+/// The pages of the mapping that hold any byte of the block's byte range `r`, as
+/// mapping offsets.
+pub(crate) fn touched(phase: usize, r: &Range<usize>) -> Range<usize> {
+    if r.is_empty() {
+        return 0..0;
+    }
+    (r.start + phase) / page() * page()..(r.end + phase).next_multiple_of(page())
+}
+
+/// Moves the pages at mapping offsets `from..from + dst.len()` of `src` to `dst`
+/// (page aligned, of whole pages), leaving zero pages behind in `src`. The bytes of
+/// `dst` are those pages' afterwards; the caller records the move in the block that
+/// owns `dst` ([`Anon::moved_in`]).
+///
+/// # Errors
+/// The kernel refused a move (an old kernel without `MREMAP_DONTUNMAP`, a mapping
+/// limit): the error, with how many bytes from the start were moved before it.
+pub(crate) fn move_pages(dst: &mut [u8], src: &mut Anon, from: usize) -> Result<(), (usize, io::Error)> {
+    let (addr, len) = (dst.as_mut_ptr() as usize, dst.len());
+    let whole = |n: usize| n.is_multiple_of(page());
+    if !whole(addr) || !whole(len) || !whole(from) || from + len > src.map_len {
+        return Err((0, io::Error::new(io::ErrorKind::InvalidInput, "pages to move are not whole pages of the block")));
+    }
+    let mut done = 0;
+    while done < len {
+        // One kernel mapping at a time: up to the next seam of the source.
+        let at = from + done;
+        let seam = src.seams.iter().copied().find(|&s| s > at).unwrap_or(src.map_len);
+        let n = (seam - at).min(len - done);
+        // SAFETY: the source range lies inside `src`'s mapping, which we borrow
+        // exclusively; the destination is memory we borrow exclusively. With
+        // DONTUNMAP the source stays mapped (its pages read as zero afterwards), so
+        // neither mapping gains a hole.
+        let moved = unsafe {
+            libc::mremap(
+                src.base.add(at).cast(),
+                n,
+                n,
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED | libc::MREMAP_DONTUNMAP,
+                (addr + done) as *mut libc::c_void,
+            )
+        };
+        if moved == libc::MAP_FAILED {
+            return Err((done, io::Error::last_os_error()));
+        }
+        done += n;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn filled(first: u64, len: usize) -> Anon {
+        let mut a = Anon::new(first, len).unwrap();
+        for (i, b) in a.bytes_mut().iter_mut().enumerate() {
+            *b = ((first as usize + i) % 251) as u8;
+        }
+        a
+    }
+
+    #[test]
+    fn blocks_sit_at_the_arrays_page_boundaries() {
+        let p = page();
+        let a = Anon::new(3 * p as u64 + 10, 5 * p).unwrap();
+        assert_eq!(a.phase(), 10);
+        assert_eq!(a.bytes().len(), 5 * p);
+        assert_eq!(a.mapping(), 0..6 * p);
+        assert!(a.bytes().iter().all(|&b| b == 0));
+        assert_eq!(a.bytes().as_ptr() as usize % 8, 2);
+        assert_eq!(inner(10, &(0..5 * p)), p..5 * p);
+        assert_eq!(inner(10, &(0..p)), p..p);
+        assert_eq!(touched(10, &(0..p)), 0..2 * p);
+        assert_eq!(touched(10, &(5..5)), 0..0);
+        let empty = Anon::new(7, 0).unwrap();
+        assert!(empty.bytes().is_empty());
+    }
+
+    #[test]
+    fn moved_pages_keep_their_bytes_and_leave_zeros_behind() {
+        let p = page();
+        // An old block of the array's bytes 2p+100 .. 9p and a new one of p+7 .. 12p:
+        // their overlap's whole pages are the array's pages 3 .. 9.
+        let mut old = filled(2 * p as u64 + 100, 7 * p - 100);
+        let mut new = Anon::new(p as u64 + 7, 11 * p - 7).unwrap();
+        let (old_at, new_at) = (p - old.phase(), 2 * p - new.phase());
+        let dst = &mut new.bytes_mut()[new_at..new_at + 6 * p];
+        move_pages(dst, &mut old, p).unwrap();
+        new.moved_in(2 * p..8 * p);
+        assert_eq!(new.seams(), &[2 * p, 8 * p]);
+        for (i, &b) in new.bytes()[new_at..new_at + 6 * p].iter().enumerate() {
+            assert_eq!(b, ((3 * p + i) % 251) as u8, "byte {i}");
+        }
+        assert!(old.bytes()[old_at..old_at + 6 * p].iter().all(|&b| b == 0));
+        // The rest of both is untouched.
+        assert!(old.bytes()[..old_at].iter().enumerate().all(|(i, &b)| b == ((2 * p + 100 + i) % 251) as u8));
+        assert!(new.bytes()[..new_at].iter().chain(&new.bytes()[new_at + 6 * p..]).all(|&b| b == 0));
+    }
+
+    #[test]
+    fn moves_across_seams_go_one_mapping_at_a_time() {
+        let p = page();
+        let mut a = filled(0, 8 * p);
+        let mut b = filled(0, 8 * p);
+        // Pages 2 .. 5 of `a` come from `b`: `a` is now three kernel mappings.
+        move_pages(&mut a.bytes_mut()[2 * p..5 * p], &mut b, 2 * p).unwrap();
+        a.moved_in(2 * p..5 * p);
+        assert!(a.recyclable());
+        // Pages 1 .. 7 of `a` span both seams.
+        let mut c = Anon::new(0, 8 * p).unwrap();
+        move_pages(&mut c.bytes_mut()[p..7 * p], &mut a, p).unwrap();
+        assert!(c.bytes()[p..7 * p].iter().enumerate().all(|(i, &x)| x == ((p + i) % 251) as u8));
+        assert!(a.bytes()[p..7 * p].iter().all(|&x| x == 0));
+        assert!(b.bytes()[2 * p..5 * p].iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn a_move_of_partial_pages_is_refused_and_moves_nothing() {
+        let p = page();
+        let mut a = filled(0, 4 * p);
+        let mut b = Anon::new(0, 4 * p).unwrap();
+        let (moved, e) = move_pages(&mut b.bytes_mut()[1..p + 1], &mut a, 0).unwrap_err();
+        assert_eq!((moved, e.kind()), (0, io::ErrorKind::InvalidInput));
+        assert!(move_pages(&mut b.bytes_mut()[..p], &mut a, 4 * p).is_err());
+        assert!(a.bytes().iter().enumerate().all(|(i, &x)| x == (i % 251) as u8));
+    }
+}
