@@ -213,6 +213,7 @@ fn main() -> anyhow::Result<()> {
         let mark = if args.check_memory && !s.moving() { Some(memory_mark()?) } else { None };
         let faults = if args.report_faults { minor_faults()? } else { 0 };
         let cp = if args.background { s.checkpoint_background()? } else { s.checkpoint()? };
+        let faults = if args.report_faults { minor_faults()? - faults } else { 0 };
         if let (Some(rss0), Checkpoint::Resized(_) | Checkpoint::Released(_)) = (mark, &cp) {
             let extra = (status_kib("VmHWM")? << 10).saturating_sub(rss0);
             let incoming = if matches!(cp, Checkpoint::Released(_)) { 0 } else { held_bytes(&s, &args)? };
@@ -236,9 +237,8 @@ fn main() -> anyhow::Result<()> {
                 verify(&s, &args)
                     .with_context(|| format!("after change {} ({} -> {})", r.seq, r.old_size, r.new_size))?;
                 if args.report_faults {
-                    let (took, pages) = (minor_faults()? - faults, held_bytes(&s, &args)? / 4096);
-                    let rank = s.world().rank();
-                    println!("redist: change {}: rank {rank} took {took} faults for {pages} pages", s.epoch());
+                    let (rank, pages) = (s.world().rank(), held_bytes(&s, &args)? / 4096);
+                    println!("redist: change {}: rank {rank} took {faults} faults for {pages} pages", s.epoch());
                 }
                 if s.world().rank() == 0 {
                     println!("redist: change {}: {} -> {} processes, data intact", s.epoch(), r.old_size, r.new_size);

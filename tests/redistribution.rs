@@ -265,23 +265,33 @@ fn rma_over_shared_memory_hands_pages_over_and_keeps_every_element() {
 }
 
 /// Over tcp, a one-sided move recycles the pages of a target's old block into its new
-/// one (the runtime's `anon`) instead of faulting in fresh ones: in a 4 -> 2 shrink each
-/// target takes far fewer page faults than with `DUCTILE_PAGE_RECYCLE=0`, and every
-/// element stays intact either way. (The circuit of `rma_moves_every_element_for_every_size_pair`
-/// and the memory bound of `rma_keeps_peak_memory_within_incoming_plus_64_mib` run
-/// with recycling too: their blocks of "large" are mappings of their own.)
+/// one (the runtime's `anon`) instead of faulting in fresh ones: in a 4 -> 2 shrink and
+/// a 2 -> 4 growth, each old rank that stays takes far fewer page faults than with
+/// `DUCTILE_PAGE_RECYCLE=0`, and every element stays intact either way. Through every
+/// size pair, with blocks that start anywhere in a page, every element stays intact.
+/// (The memory bound of `rma_keeps_peak_memory_within_incoming_plus_64_mib` is checked
+/// with recycling too.)
 #[test]
 fn rma_over_tcp_recycles_old_pages_instead_of_faulting_fresh_ones() {
+    // 256 MiB and 8 bytes of "large": blocks of 32 MiB and more, which live in mappings
+    // of their own (smaller ones stay on the heap), at odd offsets.
+    let tcp = ["--transport", "tcp"];
+    let (report, _) = redist_job_with("rma", &tcp, &["--large", "33554433"], "redist-recycle.json");
+    assert_eq!(pairs(&report).len(), CIRCUIT.len());
     let prog = ex("redist");
-    let faults = |recycle: &str| -> Vec<(u64, u64)> {
-        let mut args = vec!["run", "--timeout", "120", "-n", "4", "--slots", "1", "--max-nodes", "4"];
-        args.extend(["--policy", "steps:2", "--redistribution", "rma", "--transport", "tcp", "--"]);
-        args.extend([prog.as_str(), "--changes", "1", "--large", "8000001", "--report-faults"]);
+    // Page faults and pages held after the change, of ranks 0 and 1.
+    let faults = |n: &str, to: &str, recycle: &str| -> Vec<(u64, u64)> {
+        let policy = format!("steps:{to}");
+        let mut args = vec!["run", "--timeout", "120", "-n", n, "--slots", "1", "--max-nodes", "4"];
+        args.extend(["--policy", &policy, "--redistribution", "rma", "--transport", "tcp", "--"]);
+        // 128 MiB of "large": blocks of 32 MiB and more, which live in mappings of
+        // their own (smaller ones stay on the heap).
+        args.extend([prog.as_str(), "--changes", "1", "--large", "16777217", "--report-faults"]);
         let out = ductile(&args).env("DUCTILE_PAGE_RECYCLE", recycle).output().expect("start ductile");
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{}\n{text}", String::from_utf8_lossy(&out.stderr));
         assert!(text.contains("redist: 1 changes by rma, every element intact"), "{text}");
-        // "redist: change 1: rank R took F faults for P pages", by rank.
+        // "redist: change 1: rank R took F faults for P pages".
         let mut by_rank: Vec<(u64, u64, u64)> = text
             .lines()
             .filter_map(|l| {
@@ -289,16 +299,20 @@ fn rma_over_tcp_recycles_old_pages_instead_of_faulting_fresh_ones() {
                 let n: Vec<u64> = rest.split_whitespace().filter_map(|w| w.parse().ok()).collect();
                 Some((*n.first()?, *n.get(1)?, *n.get(2)?))
             })
+            .filter(|(rank, ..)| *rank < 2)
             .collect();
         by_rank.sort_unstable();
         assert_eq!(by_rank.len(), 2, "{text}");
         by_rank.into_iter().map(|(_, f, p)| (f, p)).collect()
     };
-    let (recycled, fresh) = (faults("1"), faults("0"));
-    for (rank, ((r, pages), (f, _))) in recycled.iter().zip(&fresh).enumerate() {
-        // Half of each target's new block is recycled: its own old block's worth.
-        assert!(*f >= pages * 9 / 10, "rank {rank}: {f} faults for {pages} pages without recycling");
-        assert!(r * 4 <= f * 3, "rank {rank}: {r} faults recycling against {f} without ({pages} pages)");
+    for (n, to) in [("4", "2"), ("2", "4")] {
+        let (recycled, fresh) = (faults(n, to, "1"), faults(n, to, "0"));
+        for (rank, ((r, pages), (f, _))) in recycled.iter().zip(&fresh).enumerate() {
+            // Without recycling every page of the new blocks is faulted in; with it, at
+            // least half of each block is the old block's pages.
+            assert!(*f >= pages * 9 / 10, "{n}->{to} rank {rank}: {f} faults for {pages} pages without recycling");
+            assert!(r * 4 <= f * 3, "{n}->{to} rank {rank}: {r} faults recycling against {f} without ({pages} pages)");
+        }
     }
 }
 

@@ -125,6 +125,13 @@ impl Anon {
         &self.seams
     }
 
+    /// Asks for transparent huge pages on the whole mapping (see `crate::block`).
+    pub(crate) fn advise_huge(&mut self) {
+        // SAFETY: the mapping is ours, borrowed exclusively; the advice changes how its
+        // pages are backed, never its bytes. A kernel without huge pages refuses it.
+        let _ = unsafe { libc::madvise(self.base.cast(), self.map_len, libc::MADV_HUGEPAGE) };
+    }
+
     /// Records that the mapping range `at` (page aligned) now holds pages moved in
     /// from elsewhere ([`move_pages`]).
     pub(crate) fn moved_in(&mut self, at: Range<usize>) {
@@ -168,18 +175,25 @@ pub(crate) fn touched(phase: usize, r: &Range<usize>) -> Range<usize> {
 
 /// Moves the pages at mapping offsets `from..from + dst.len()` of `src` to `dst`
 /// (page aligned, of whole pages), leaving zero pages behind in `src`. The bytes of
-/// `dst` are those pages' afterwards; the caller records the move in the block that
-/// owns `dst` ([`Anon::moved_in`]).
+/// `dst` are those pages' afterwards. Returns the pieces of `dst` (offsets into it)
+/// moved by one call each, every one now a kernel mapping of its own, which the caller
+/// records in the block that owns `dst` ([`Anon::moved_in`]).
 ///
 /// # Errors
-/// The kernel refused a move (an old kernel without `MREMAP_DONTUNMAP`, a mapping
-/// limit): the error, with how many bytes from the start were moved before it.
-pub(crate) fn move_pages(dst: &mut [u8], src: &mut Anon, from: usize) -> Result<(), (usize, io::Error)> {
+/// The kernel refused a move (an old kernel without `MREMAP_DONTUNMAP`, an address
+/// space or commit limit): the pieces moved before it, and the error. The rest of `dst`
+/// keeps its pages, except where the refused call had already unmapped them (a refused
+/// `MREMAP_FIXED` may): fresh zero pages are mapped there, a kernel mapping of their
+/// own (`Refused::fresh`). If not even those can be mapped, the error is [`Hole`]:
+/// `dst` must not be touched again.
+pub(crate) fn move_pages(dst: &mut [u8], src: &mut Anon, from: usize) -> Result<Vec<Range<usize>>, Refused> {
     let (addr, len) = (dst.as_mut_ptr() as usize, dst.len());
     let whole = |n: usize| n.is_multiple_of(page());
     if !whole(addr) || !whole(len) || !whole(from) || from + len > src.map_len {
-        return Err((0, io::Error::new(io::ErrorKind::InvalidInput, "pages to move are not whole pages of the block")));
+        let e = io::Error::new(io::ErrorKind::InvalidInput, "pages to move are not whole pages of the block");
+        return Err(Refused { moved: Vec::new(), fresh: 0..0, error: e });
     }
+    let mut moved = Vec::new();
     let mut done = 0;
     while done < len {
         // One kernel mapping at a time: up to the next seam of the source.
@@ -188,9 +202,8 @@ pub(crate) fn move_pages(dst: &mut [u8], src: &mut Anon, from: usize) -> Result<
         let n = (seam - at).min(len - done);
         // SAFETY: the source range lies inside `src`'s mapping, which we borrow
         // exclusively; the destination is memory we borrow exclusively. With
-        // DONTUNMAP the source stays mapped (its pages read as zero afterwards), so
-        // neither mapping gains a hole.
-        let moved = unsafe {
+        // DONTUNMAP the source stays mapped (its pages read as zero afterwards).
+        let r = unsafe {
             libc::mremap(
                 src.base.add(at).cast(),
                 n,
@@ -199,13 +212,81 @@ pub(crate) fn move_pages(dst: &mut [u8], src: &mut Anon, from: usize) -> Result<
                 (addr + done) as *mut libc::c_void,
             )
         };
-        if moved == libc::MAP_FAILED {
-            return Err((done, io::Error::last_os_error()));
+        if r == libc::MAP_FAILED {
+            let error = io::Error::last_os_error();
+            return match refill((addr + done) as *mut libc::c_void, n) {
+                // Refused before the destination was touched: it keeps its pages.
+                Ok(false) => Err(Refused { moved, fresh: 0..0, error }),
+                Ok(true) => Err(Refused { moved, fresh: done..done + n, error }),
+                Err(e) => Err(Refused { moved, fresh: 0..0, error: io::Error::other(Hole(error, e)) }),
+            };
         }
+        moved.push(done..done + n);
         done += n;
     }
-    Ok(())
+    Ok(moved)
 }
+
+/// Maps fresh zero pages wherever `len` bytes at `addr` (page aligned, memory the caller
+/// borrows exclusively) are not all mapped. Returns whether it did.
+///
+/// # Errors
+/// The kernel refused the fresh pages too.
+fn refill(addr: *mut libc::c_void, len: usize) -> io::Result<bool> {
+    let mut resident = vec![0u8; len.div_ceil(page())];
+    // SAFETY: `resident` has a byte for every page of the range; mincore only reports,
+    // failing with ENOMEM if a page of the range is not mapped.
+    if unsafe { libc::mincore(addr, len, resident.as_mut_ptr()) } == 0 {
+        return Ok(false);
+    }
+    // SAFETY: memory the caller borrows exclusively, partly unmapped: fresh private
+    // pages take the whole range's place.
+    let fresh = unsafe {
+        libc::mmap(
+            addr,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+            -1,
+            0,
+        )
+    };
+    if fresh == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(true)
+}
+
+/// A move of pages the kernel refused partway ([`move_pages`]).
+#[derive(Debug)]
+pub(crate) struct Refused {
+    /// The pieces moved before the refusal (offsets into the destination).
+    pub moved: Vec<Range<usize>>,
+    /// Where the refused call had unmapped the destination: fresh pages now, in a
+    /// mapping of their own.
+    pub fresh: Range<usize>,
+    pub error: io::Error,
+}
+
+impl Refused {
+    /// Whether the destination is usable (no [`Hole`]).
+    pub(crate) fn whole(&self) -> bool {
+        self.error.get_ref().is_none_or(|e| !e.is::<Hole>())
+    }
+
+    /// Every piece of the destination that is now a kernel mapping of its own.
+    pub(crate) fn mappings(self) -> Vec<Range<usize>> {
+        let mut m = self.moved;
+        m.extend(Some(self.fresh).filter(|r| !r.is_empty()));
+        m
+    }
+}
+
+/// Neither the pages asked for nor fresh ones could be mapped into a destination: part
+/// of it is unmapped.
+#[derive(Debug, thiserror::Error)]
+#[error("part of a block is left unmapped after a refused page move ({0}), and fresh pages were refused too: {1}")]
+pub(crate) struct Hole(io::Error, io::Error);
 
 #[cfg(test)]
 mod tests {
@@ -245,7 +326,7 @@ mod tests {
         let mut new = Anon::new(p as u64 + 7, 11 * p - 7).unwrap();
         let (old_at, new_at) = (p - old.phase(), 2 * p - new.phase());
         let dst = &mut new.bytes_mut()[new_at..new_at + 6 * p];
-        move_pages(dst, &mut old, p).unwrap();
+        assert_eq!(move_pages(dst, &mut old, p).unwrap(), vec![0..6 * p]);
         new.moved_in(2 * p..8 * p);
         assert_eq!(new.seams(), &[2 * p, 8 * p]);
         for (i, &b) in new.bytes()[new_at..new_at + 6 * p].iter().enumerate() {
@@ -266,12 +347,89 @@ mod tests {
         move_pages(&mut a.bytes_mut()[2 * p..5 * p], &mut b, 2 * p).unwrap();
         a.moved_in(2 * p..5 * p);
         assert!(a.recyclable());
-        // Pages 1 .. 7 of `a` span both seams.
+        // Pages 1 .. 7 of `a` span both seams: three moves, three mappings in `c`.
         let mut c = Anon::new(0, 8 * p).unwrap();
-        move_pages(&mut c.bytes_mut()[p..7 * p], &mut a, p).unwrap();
+        let pieces = move_pages(&mut c.bytes_mut()[p..7 * p], &mut a, p).unwrap();
+        assert_eq!(pieces, vec![0..p, p..4 * p, 4 * p..6 * p]);
         assert!(c.bytes()[p..7 * p].iter().enumerate().all(|(i, &x)| x == ((p + i) % 251) as u8));
         assert!(a.bytes()[p..7 * p].iter().all(|&x| x == 0));
         assert!(b.bytes()[2 * p..5 * p].iter().all(|&x| x == 0));
+    }
+
+    /// Set in the child process of the test below.
+    const REFUSAL_CHILD: &str = "DUCTILE_TEST_REFUSED_MOVE";
+
+    #[test]
+    fn a_refused_move_is_reported_and_leaves_no_silent_hole() {
+        const NAME: &str = "anon::tests::a_refused_move_is_reported_and_leaves_no_silent_hole";
+        if std::env::var_os(REFUSAL_CHILD).is_none() {
+            // The refusal comes from an address-space limit, which would hold every
+            // test of this process: the test runs again alone in a child process.
+            let exe = std::env::current_exe().unwrap();
+            let out = std::process::Command::new(exe)
+                .args(["--exact", NAME, "--test-threads", "1"])
+                .env(REFUSAL_CHILD, "1")
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && text.contains("1 passed"),
+                "{text}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            return;
+        }
+        let p = page();
+        let n = 512 * p;
+        let mut a = filled(0, n);
+        let mut b = filled(0, n + 2 * p);
+        // A move that leaves its source mapped (DONTUNMAP) grows the address space by
+        // what it moves, which a limit below the present size does not allow.
+        let size = std::fs::read_to_string("/proc/self/status")
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("VmSize:")?.trim().strip_suffix(" kB")?.parse::<u64>().ok())
+            .unwrap();
+        let limit = (size << 10) - (n as u64) / 2;
+        let rl = libc::rlimit { rlim_cur: limit, rlim_max: libc::RLIM_INFINITY };
+        // SAFETY: lowers this (child) process's own soft limit.
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &rl) }, 0);
+        let refused = move_pages(&mut b.bytes_mut()[p..p + n], &mut a, 0).unwrap_err();
+        assert!(refused.moved.is_empty(), "{:?}", refused.error);
+        if !refused.whole() {
+            // A kernel that unmaps the destination before it refuses, under a limit that
+            // then refuses fresh pages too: the one case the move must report as fatal.
+            assert!(refused.error.to_string().contains("left unmapped"), "{:?}", refused.error);
+            return;
+        }
+        // The destination holds its own bytes, or fresh zeros where the refused call
+        // had unmapped it, and can be written; the pages around it are untouched.
+        let old = |i: usize| (i % 251) as u8;
+        let kept = |i: usize| if refused.fresh.contains(&(i - p)) { 0 } else { old(i) };
+        assert!(b.bytes()[p..p + n].iter().enumerate().all(|(i, &x)| x == kept(p + i)));
+        b.bytes_mut()[p..p + n].fill(9);
+        assert!(b.bytes()[..p]
+            .iter()
+            .enumerate()
+            .chain(b.bytes().iter().enumerate().skip(p + n))
+            .all(|(i, &x)| x == old(i)));
+        assert!(a.bytes().iter().enumerate().all(|(i, &x)| x == old(i)));
+    }
+
+    #[test]
+    fn a_range_left_unmapped_gets_fresh_pages_and_a_mapped_one_keeps_its_own() {
+        let p = page();
+        let mut b = filled(0, 6 * p);
+        let base = b.bytes_mut().as_mut_ptr();
+        // SAFETY: pages 2 and 3 of `b`'s own mapping, refilled below before any use.
+        assert_eq!(unsafe { libc::munmap(base.add(2 * p).cast(), 2 * p) }, 0);
+        // SAFETY (both): ranges inside `b`'s mapping, which this test holds alone.
+        assert!(!refill(unsafe { base.add(4 * p) }.cast(), 2 * p).unwrap());
+        assert!(refill(unsafe { base.add(p) }.cast(), 3 * p).unwrap());
+        // Pages 1 .. 4 are fresh zeros (the mapped page 1 among them), the rest kept.
+        let old = |i: usize| (i % 251) as u8;
+        assert!(b.bytes().iter().enumerate().all(|(i, &x)| x == if (p..4 * p).contains(&i) { 0 } else { old(i) }));
+        b.bytes_mut().fill(1);
     }
 
     #[test]
@@ -279,8 +437,10 @@ mod tests {
         let p = page();
         let mut a = filled(0, 4 * p);
         let mut b = Anon::new(0, 4 * p).unwrap();
-        let (moved, e) = move_pages(&mut b.bytes_mut()[1..p + 1], &mut a, 0).unwrap_err();
-        assert_eq!((moved, e.kind()), (0, io::ErrorKind::InvalidInput));
+        let refused = move_pages(&mut b.bytes_mut()[1..p + 1], &mut a, 0).unwrap_err();
+        assert_eq!(refused.error.kind(), io::ErrorKind::InvalidInput);
+        assert!(refused.whole());
+        assert!(refused.mappings().is_empty());
         assert!(move_pages(&mut b.bytes_mut()[..p], &mut a, 4 * p).is_err());
         assert!(a.bytes().iter().enumerate().all(|(i, &x)| x == (i % 251) as u8));
     }

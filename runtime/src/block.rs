@@ -53,9 +53,17 @@ impl Default for Store {
     }
 }
 
-/// Blocks of fewer bytes stay on the heap even where pages could be handed over or
-/// recycled: a few pages are copied faster than mapped.
+/// Blocks of fewer bytes stay on the heap even where pages could be handed over: a few
+/// pages are copied faster than mapped.
 const MAPPED_MIN: usize = 1 << 20;
+
+/// Blocks of fewer bytes stay on the heap even where their pages could be recycled
+/// ([`crate::anon`]): glibc serves them from memory it reuses (`init` sets its mmap
+/// threshold to this), often still faulted in, where a mapping of their own is always
+/// fresh. A 2 → 4 rma move of 16 MiB over tcp ran at 1.6 GB/s with such mappings
+/// against 2.2 on the heap (medians of 5 jobs); larger blocks come from fresh
+/// mappings either way.
+const PAGES_MIN: usize = 32 << 20;
 
 impl Clone for Aligned {
     /// A copy on the heap.
@@ -109,14 +117,16 @@ impl Aligned {
         match place {
             Place::Heap => Self::zeroed(len),
             Place::Files => Self::mapped(len, first),
-            Place::Pages if len < MAPPED_MIN => Self::zeroed(len),
+            Place::Pages if len < PAGES_MIN => Self::zeroed(len),
             Place::Pages => match Anon::new(first, len) {
-                Ok(m) => {
-                    let mut a = Self { store: Store::Anon(m), len };
-                    if len >= HUGE_MIN && HUGE_PAGES.load(Ordering::Relaxed) {
-                        advise_huge(a.bytes_mut());
+                Ok(mut m) => {
+                    // The advice goes to the whole mapping, which it then does not split
+                    // (moves of its pages stay within one kernel mapping, see `anon`).
+                    if len >= HUGE_MIN && HUGE_PAGES.load(Ordering::Relaxed) && huge_pages_free() >= 2 * len / HUGE_PAGE
+                    {
+                        m.advise_huge();
                     }
-                    a
+                    Self { store: Store::Anon(m), len }
                 }
                 Err(e) => {
                     tracing::debug!("a block of {len} bytes stays on the heap: {e}");

@@ -41,9 +41,10 @@
 //!   the blocks of such items are mappings of their own, and a target that was a
 //!   source, once its readers are done, moves its old block's pages into its new block
 //!   (`mremap`): its own overlap's with their bytes, the rest under overlaps from
-//!   members that leave, which it reads into them then ([`crate::anon`]). Only reads
-//!   from members that leave wait so, and a target tells the members that stay that it
-//!   is done as soon as its other reads are, so no two targets wait for each other.
+//!   members that leave or come before it, which it reads into them then
+//!   ([`crate::anon`]). Only those reads wait so, and a target tells its other sources
+//!   that it is done as soon as its other reads are: a target then waits only on
+//!   targets that come after it, so no two wait for each other.
 //!
 //! The new block is allocated once at its final size and lent to the transport in
 //! disjoint parts ([`ductile_transport::Landing`]) that gets and receives fill in place;
@@ -507,8 +508,8 @@ impl Move<'_> {
     /// done. With `recycle` (the old block, and the signal that its readers are done),
     /// the old block's pages are moved into the new block once its readers are done:
     /// its own overlap's with their bytes, the others under overlaps from members that
-    /// leave, which are read into them then ([`Move::recycled_reads`]). Returns whether
-    /// it took its own overlap's pages.
+    /// leave or come before it, which are read into them then
+    /// ([`Move::recycled_reads`]). Returns whether it took its own overlap's pages.
     async fn rma_read(
         &self,
         old: Bytes,
@@ -571,11 +572,12 @@ impl Move<'_> {
             let (id, offer) = parse_announcement(&b, src)?;
             let runs = offer.filter(|_| mapped).and_then(|o| self.offered_runs(src, &o, &range, &adopted));
             let (mut rest, took) = self.take_pages(&landing, range.clone(), runs.as_deref(), own_file.as_ref())?;
-            // Only overlaps from members that leave wait for recycled pages: such a
-            // member reads nothing, so no target waits for it, and a target's notices
-            // to members that stay never wait for recycled pages (see `recycled_reads`).
-            let leaves = !self.member_of_new.contains(&src);
-            if let (Some(phase), true) = (new_phase, leaves) {
+            // Only overlaps from members that leave or come before this one wait for
+            // recycled pages, and a target tells every other source it is done as soon
+            // as its own reads are: so a target waits (for its readers) only on targets
+            // that come after it, or on none, and no two wait for each other.
+            let defer = !self.member_of_new.contains(&src) || src < me;
+            if let (Some(phase), true) = (new_phase, defer) {
                 let (fresh, later) = carve(range.clone(), phase, &mut spare);
                 rest = fresh;
                 if let Some(piece) = later {
@@ -645,7 +647,7 @@ impl Move<'_> {
             Ok(())
         };
         let ((), moved, ()) = try_join3(remote, recycled, copy).await?;
-        // Members that leave are told last: all reads from them are done.
+        // Sources with deferred reads are told last: all reads from them are done.
         self.notify_done(&late).await?;
         *block = Aligned::from_landing(landing).ok_or_else(|| plan_error("a get still holds the block"))?;
         block.adopt(adopted);
@@ -676,12 +678,16 @@ impl Move<'_> {
                 let own_at = own.as_ref().map(|(_, range, at)| *at..at + range.len());
                 let mut spare = old.pages().map_or_else(Vec::new, |p| spare_pages(p, own_at.as_ref()));
                 if let Some((mut part, range, at)) = own {
-                    moved.extend(move_own(&mut old, &mut part, (&range, phase), at));
+                    let (mappings, refused) = move_own(&mut old, &mut part, (&range, phase), at)?;
+                    moved.extend(mappings);
+                    if refused {
+                        spare.clear();
+                    }
                 }
                 if let Some(pages) = old.pages_mut() {
                     for d in &mut deferred {
-                        let n = recycle_into(d.part.as_mut_slice(), pages, &mut spare);
-                        moved.extend(Some(d.map_at..d.map_at + n).filter(|r| !r.is_empty()));
+                        let pieces = recycle_into(d.part.as_mut_slice(), pages, &mut spare)?;
+                        moved.extend(pieces.into_iter().map(|r| d.map_at + r.start..d.map_at + r.end));
                     }
                 }
             }
@@ -891,46 +897,62 @@ fn carve(range: Range<usize>, phase: usize, spare: &mut usize) -> (Vec<Range<usi
 
 /// Moves the whole pages of the own overlap (`range` of the new block, whose mapping
 /// starts its bytes at `phase`; at `at` in `old`) from the old block into `part`, which
-/// holds `range`, and copies the rest. Returns the range of the new block's mapping
-/// that holds moved pages.
+/// holds `range`, and copies the rest. Returns the ranges of the new block's mapping
+/// that are kernel mappings of their own now, and whether the kernel refused a move.
+///
+/// # Errors
+/// A refused move left part of the block unmapped (see `crate::anon::Hole`).
 fn move_own(
     old: &mut Aligned,
     part: &mut Part,
     (range, phase): (&Range<usize>, usize),
     at: usize,
-) -> Option<Range<usize>> {
+) -> Result<(Vec<Range<usize>>, bool)> {
     let n = range.len();
     let inner = crate::anon::inner(phase, range);
     let (lo, hi) =
         if inner.is_empty() { (0, 0) } else { (inner.start - phase - range.start, inner.end - phase - range.start) };
-    let mut moved = 0;
+    let (mut mappings, mut done, mut refused) = (Vec::new(), 0, false);
     if let Some(pages) = old.pages_mut().filter(|_| hi > lo) {
         let from = at + lo + pages.phase();
-        if let Err((m, e)) = crate::anon::move_pages(&mut part.as_mut_slice()[lo..hi], pages, from) {
-            tracing::debug!("copying an own overlap: the kernel would not move its pages: {e}");
-            moved = m;
-        } else {
-            moved = hi - lo;
+        match crate::anon::move_pages(&mut part.as_mut_slice()[lo..hi], pages, from) {
+            Ok(moved) => (mappings, done) = (moved, hi - lo),
+            Err(e) if !e.whole() => return Err(Error::Reconfigure(e.error.to_string())),
+            Err(e) => {
+                tracing::debug!("copying an own overlap: the kernel would not move its pages: {}", e.error);
+                done = e.moved.last().map_or(0, |r| r.end);
+                (mappings, refused) = (e.mappings(), true);
+            }
         }
     }
     let (dst, src) = (part.as_mut_slice(), &old.bytes()[at..at + n]);
     crate::block::fill(&mut dst[..lo], &src[..lo]);
-    crate::block::fill(&mut dst[lo + moved..], &src[lo + moved..]);
-    (moved > 0).then(|| inner.start..inner.start + moved)
+    crate::block::fill(&mut dst[lo + done..], &src[lo + done..]);
+    Ok((mappings.into_iter().map(|r| inner.start + r.start..inner.start + r.end).collect(), refused))
 }
 
 /// Moves pages of `old` from the front of `spare` (mapping offsets, taken from it)
-/// under `dst` (whole pages), as many as there are. Returns the bytes of `dst` from its
-/// start that now hold moved pages; the rest keeps its fresh ones.
-fn recycle_into(dst: &mut [u8], old: &mut Anon, spare: &mut Vec<Range<usize>>) -> usize {
+/// under `dst` (whole pages), as many as there are. Returns the pieces of `dst`
+/// (offsets into it) that are kernel mappings of their own now; the rest of `dst`
+/// keeps its fresh pages. After a refused move, `spare` is emptied.
+///
+/// # Errors
+/// A refused move left part of `dst` unmapped (see `crate::anon::Hole`).
+fn recycle_into(dst: &mut [u8], old: &mut Anon, spare: &mut Vec<Range<usize>>) -> Result<Vec<Range<usize>>> {
+    let mut mappings = Vec::new();
     let mut done = 0;
     while done < dst.len() {
         let Some(front) = spare.first_mut() else { break };
         let k = front.len().min(dst.len() - done);
-        if let Err((m, e)) = crate::anon::move_pages(&mut dst[done..done + k], old, front.start) {
-            tracing::debug!("fresh pages for a read: the kernel would not move old ones: {e}");
-            spare.clear();
-            return done + m;
+        match crate::anon::move_pages(&mut dst[done..done + k], old, front.start) {
+            Ok(moved) => mappings.extend(moved.into_iter().map(|r| done + r.start..done + r.end)),
+            Err(e) if !e.whole() => return Err(Error::Reconfigure(e.error.to_string())),
+            Err(e) => {
+                tracing::debug!("fresh pages for a read: the kernel would not move old ones: {}", e.error);
+                mappings.extend(e.mappings().into_iter().map(|r| done + r.start..done + r.end));
+                spare.clear();
+                break;
+            }
         }
         front.start += k;
         if front.start == front.end {
@@ -938,7 +960,7 @@ fn recycle_into(dst: &mut [u8], old: &mut Anon, spare: &mut Vec<Range<usize>>) -
         }
         done += k;
     }
-    done
+    Ok(mappings)
 }
 
 /// Splits a byte range into pieces of at most `len` bytes (one empty piece for an empty
