@@ -31,10 +31,11 @@
 //!   allocating the new blocks. Growth starts the new processes (fresh) before this.
 //!   Over shm, rma hands whole pages over between the processes (the runtime's
 //!   `pages`); **ductile_fabric_shm_copy_rma** is the same job with
-//!   `DUCTILE_PAGE_HANDOVER=0`, copying every byte. Over tcp, rma recycles the pages
-//!   of a target's old block into its new one (the runtime's `anon`);
-//!   **ductile_tcp_fresh_rma** is the same job with `DUCTILE_PAGE_RECYCLE=0`, faulting
-//!   in fresh pages as the other executors do.
+//!   `DUCTILE_PAGE_HANDOVER=0`, copying every byte. Over tcp, every executor moves the
+//!   pages of a member's own overlap from its old block into its new one, and rma
+//!   recycles the old block's other pages too (the runtime's `anon`);
+//!   **ductile_tcp_fresh_M** is the same job with `DUCTILE_PAGE_RECYCLE=0`, faulting in
+//!   fresh pages for every new block.
 //! - **ompi_spawn_a2av**: `benches/peers/redist.c spawn-alltoallv`: NS parents spawn NT
 //!   children, merge, then `MPI_Alltoallv` over the merged communicator moves every
 //!   block to the children (timed barrier to barrier, spawn and merge excluded), over
@@ -85,14 +86,14 @@ struct Backend {
 
 const BACKENDS: [Backend; 4] = [
     Backend { label: "tcp", short: "tcp", name: "tcp", provider: None, methods: &METHODS, env: &[] },
-    // rma over tcp with fresh pages for every new block, as without page recycling:
-    // the peer of the recycling in the same run.
+    // Every executor over tcp with fresh pages for every new block, as without page
+    // recycling: the peer of the recycling in the same run.
     Backend {
         label: "tcp_fresh",
         short: "tcpf",
         name: "tcp",
         provider: None,
-        methods: &["rma"],
+        methods: &METHODS,
         env: &[("DUCTILE_PAGE_RECYCLE", "0")],
     },
     Backend { label: "fabric_shm", short: "shm", name: "fabric", provider: Some("shm"), methods: &METHODS, env: &[] },

@@ -264,33 +264,32 @@ fn rma_over_shared_memory_hands_pages_over_and_keeps_every_element() {
     check_memory_with("rma", &shm, &[]);
 }
 
-/// Over tcp, a one-sided move recycles the pages of a target's old block into its new
-/// one (the runtime's `anon`) instead of faulting in fresh ones: in a 4 -> 2 shrink and
-/// a 2 -> 4 growth, each old rank that stays takes far fewer page faults than with
-/// `DUCTILE_PAGE_RECYCLE=0`, and every element stays intact either way. Through every
-/// size pair, with blocks that start anywhere in a page, every element stays intact.
-/// (The memory bound of `rma_keeps_peak_memory_within_incoming_plus_64_mib` is checked
-/// with recycling too.)
+/// Over tcp, moves recycle the pages of a member's old block into its new one (the
+/// runtime's `anon`) instead of faulting in fresh ones: every executor those of the own
+/// overlap, rma the others too. So in a 4 -> 2 shrink and a growth, the old ranks that
+/// stay take far fewer page faults than with `DUCTILE_PAGE_RECYCLE=0`, and every
+/// element stays intact either way; through every size pair with rma, with blocks that
+/// start anywhere in a page, too. (The memory bounds of the `*_keeps_peak_memory_*`
+/// tests are checked with recycling too.)
 #[test]
-fn rma_over_tcp_recycles_old_pages_instead_of_faulting_fresh_ones() {
+fn moves_over_tcp_recycle_old_pages_instead_of_faulting_fresh_ones() {
     // 256 MiB and 8 bytes of "large": blocks of 32 MiB and more, which live in mappings
     // of their own (smaller ones stay on the heap), at odd offsets.
     let tcp = ["--transport", "tcp"];
     let (report, _) = redist_job_with("rma", &tcp, &["--large", "33554433"], "redist-recycle.json");
     assert_eq!(pairs(&report).len(), CIRCUIT.len());
     let prog = ex("redist");
-    // Page faults and pages held after the change, of ranks 0 and 1.
-    let faults = |n: &str, to: &str, recycle: &str| -> Vec<(u64, u64)> {
+    // Page faults and pages held after the change, of the ranks below `ranks`.
+    let faults = |method: &str, n: &str, to: &str, ranks: u64, recycle: &str| -> Vec<(u64, u64)> {
         let policy = format!("steps:{to}");
         let mut args = vec!["run", "--timeout", "120", "-n", n, "--slots", "1", "--max-nodes", "4"];
-        args.extend(["--policy", &policy, "--redistribution", "rma", "--transport", "tcp", "--"]);
-        // 128 MiB of "large": blocks of 32 MiB and more, which live in mappings of
-        // their own (smaller ones stay on the heap).
+        args.extend(["--policy", &policy, "--redistribution", method, "--transport", "tcp", "--"]);
+        // 128 MiB of "large": blocks of 32 MiB and more.
         args.extend([prog.as_str(), "--changes", "1", "--large", "16777217", "--report-faults"]);
         let out = ductile(&args).env("DUCTILE_PAGE_RECYCLE", recycle).output().expect("start ductile");
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{}\n{text}", String::from_utf8_lossy(&out.stderr));
-        assert!(text.contains("redist: 1 changes by rma, every element intact"), "{text}");
+        assert!(text.contains(&format!("redist: 1 changes by {method}, every element intact")), "{text}");
         // "redist: change 1: rank R took F faults for P pages".
         let mut by_rank: Vec<(u64, u64, u64)> = text
             .lines()
@@ -299,19 +298,30 @@ fn rma_over_tcp_recycles_old_pages_instead_of_faulting_fresh_ones() {
                 let n: Vec<u64> = rest.split_whitespace().filter_map(|w| w.parse().ok()).collect();
                 Some((*n.first()?, *n.get(1)?, *n.get(2)?))
             })
-            .filter(|(rank, ..)| *rank < 2)
+            .filter(|(rank, ..)| *rank < ranks)
             .collect();
         by_rank.sort_unstable();
-        assert_eq!(by_rank.len(), 2, "{text}");
+        assert_eq!(by_rank.len() as u64, ranks, "{text}");
         by_rank.into_iter().map(|(_, f, p)| (f, p)).collect()
     };
-    for (n, to) in [("4", "2"), ("2", "4")] {
-        let (recycled, fresh) = (faults(n, to, "1"), faults(n, to, "0"));
+    // rma recycles for both old ranks that stay; the others have an own overlap on
+    // rank 0 only.
+    let cases = [
+        ("rma", "4", "2", 2),
+        ("rma", "2", "4", 2),
+        ("collective", "4", "2", 1),
+        ("collective", "1", "4", 1),
+        ("p2p", "4", "2", 1),
+        ("p2p", "1", "4", 1),
+    ];
+    for (method, n, to, ranks) in cases {
+        let (recycled, fresh) = (faults(method, n, to, ranks, "1"), faults(method, n, to, ranks, "0"));
         for (rank, ((r, pages), (f, _))) in recycled.iter().zip(&fresh).enumerate() {
             // Without recycling every page of the new blocks is faulted in; with it, at
             // least half of each block is the old block's pages.
-            assert!(*f >= pages * 9 / 10, "{n}->{to} rank {rank}: {f} faults for {pages} pages without recycling");
-            assert!(r * 4 <= f * 3, "{n}->{to} rank {rank}: {r} faults recycling against {f} without ({pages} pages)");
+            let case = format!("{method} {n}->{to} rank {rank}");
+            assert!(*f >= pages * 9 / 10, "{case}: {f} faults for {pages} pages without recycling");
+            assert!(r * 4 <= f * 3, "{case}: {r} faults recycling against {f} without ({pages} pages)");
         }
     }
 }

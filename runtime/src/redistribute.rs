@@ -275,13 +275,13 @@ impl Move<'_> {
         new: Option<&mut Aligned>,
     ) -> Result<()> {
         match method {
-            Method::P2p => self.p2p(old, new).await,
-            Method::Collective => self.collective(old, new).await,
+            Method::P2p => self.p2p(old, pages, new).await,
+            Method::Collective => self.collective(old, pages, new).await,
             Method::Rma => self.rma(old, pages, new).await,
         }
     }
 
-    async fn p2p(&self, old: Bytes, new: Option<&mut Aligned>) -> Result<()> {
+    async fn p2p(&self, old: Bytes, pages: Option<Arc<Aligned>>, new: Option<&mut Aligned>) -> Result<()> {
         let (t, me) = (self.t, self.t.rank());
         let mut own = Vec::new();
         let mut outgoing = Vec::new();
@@ -308,6 +308,7 @@ impl Move<'_> {
             serve.await?;
             return Ok(());
         };
+        let in_place = self.in_place(pages, block);
         // Each segment is received straight into its place in the new block: before a
         // source is granted its next segment, a receive into that segment's part is
         // posted (a source sends its segments in order, and receives from it match in
@@ -354,7 +355,9 @@ impl Move<'_> {
             Ok::<(), Error>(())
         };
         // The own overlap is copied once the first grants are out (polled first, the
-        // receive sends them), while the first segments travel.
+        // receive sends them), while the first segments travel; or moved in once the
+        // old block is sent.
+        let later = if in_place.is_some() { std::mem::take(&mut own_parts) } else { Vec::new() };
         let copy = async {
             for (mut part, from) in own_parts {
                 crate::block::fill(part.as_mut_slice(), &old[from]);
@@ -362,11 +365,52 @@ impl Move<'_> {
             Ok(())
         };
         try_join(serve, try_join(receive, copy)).await?;
+        drop(old);
+        let moved = self.own_in_place(in_place, later).await?;
         *block = Aligned::from_landing(landing).ok_or_else(|| plan_error("a receive still holds the block"))?;
+        block.moved_in(&moved);
         Ok(())
     }
 
-    async fn collective(&self, old: Bytes, mut new: Option<&mut Aligned>) -> Result<()> {
+    /// The old block and the new block's phase, if the own overlap can be moved into
+    /// the new block with its pages (see [`Move::own_in_place`]): both blocks are
+    /// mappings of their own, in a blocking move.
+    fn in_place(&self, pages: Option<Arc<Aligned>>, new: &Aligned) -> Option<(Arc<Aligned>, usize)> {
+        let phase = new.pages().map(Anon::phase).filter(|_| self.share.is_none())?;
+        pages.filter(|p| p.pages().is_some()).map(|p| (p, phase))
+    }
+
+    /// Moves the whole pages of the own overlap (`own`: its part of the new block, with
+    /// its byte range in the old one) from the old block into the new one, whose
+    /// mapping starts its bytes at the phase given, and copies its ends: no fresh page
+    /// and no copy for the rest (see [`crate::anon`]). Called once the move holds no
+    /// other reference to the old block; should the transport still hold one after
+    /// [`RECLAIM_WAIT`], the overlap is copied. Returns the ranges of the new block's
+    /// mapping that are kernel mappings of their own now.
+    async fn own_in_place(
+        &self,
+        in_place: Option<(Arc<Aligned>, usize)>,
+        own: Vec<(Part, Range<usize>)>,
+    ) -> Result<Vec<Range<usize>>> {
+        let (Some((pages, phase)), Some((mut part, from))) = (in_place, own.into_iter().next()) else {
+            return Ok(Vec::new());
+        };
+        let first = block_range(self.global, self.new_n, self.my_new.unwrap_or(0)).start;
+        let my_first = self.my_old().map_or(0, |o| block_range(self.global, self.old_n, o).start);
+        // The own overlap's range in the new block: the same array bytes.
+        let start = from.start + self.bytes(my_first) - self.bytes(first);
+        let range = start..start + from.len();
+        match reclaim(pages).await {
+            Ok(mut old) => Ok(move_own(&mut old, &mut part, (&range, phase), from.start)?.0),
+            Err(shared) => {
+                tracing::debug!("copying an own overlap: the transport still holds the old block");
+                crate::block::fill(part.as_mut_slice(), &shared.bytes()[from]);
+                Ok(Vec::new())
+            }
+        }
+    }
+
+    async fn collective(&self, old: Bytes, pages: Option<Arc<Aligned>>, mut new: Option<&mut Aligned>) -> Result<()> {
         let (t, size, me) = (self.t, self.t.size(), self.t.rank());
         // A member receives from at most every old rank in a round.
         let seg_len = (ROUND_BUDGET / self.old_n.max(1) as usize).clamp(MIN_ROUND_SEGMENT, SEGMENT);
@@ -380,6 +424,7 @@ impl Move<'_> {
                 inc[src] = segments(range, seg_len).collect();
             }
         }
+        let in_place = new.as_deref().and_then(|block| self.in_place(pages, block));
         // Incoming segments land straight in the new block.
         let landing = new.as_deref_mut().map(|block| std::mem::take(block).into_landing());
         // Every member runs the same number of rounds, known without asking: enough for
@@ -425,9 +470,9 @@ impl Move<'_> {
             }
             let block = |d: usize| out[d].get(round).map_or_else(Bytes::new, |r| old.slice(r.clone()));
             let sends = (1..size).map(|k| (me + k) % size).map(|d| t.send_tagged(d, self.tag, block(d)));
-            // The own segment is copied while the others travel.
+            // The own segment is copied while the others travel (or moved in at the end).
             let own = async {
-                if let (Some(l), Some(seg)) = (&landing, inc[me].get(round)) {
+                if let (Some(l), Some(seg), None) = (&landing, inc[me].get(round), &in_place) {
                     let mut part = l.part(seg.clone()).ok_or_else(|| plan_error("overlapping segments"))?;
                     crate::block::fill(part.as_mut_slice(), &block(me));
                 }
@@ -435,8 +480,19 @@ impl Move<'_> {
             };
             try_join3(try_join_all(sends), try_join_all(recvs), own).await?;
         }
+        drop(old);
+        let mut moved = Vec::new();
+        if let (Some(l), Some(_)) = (&landing, &in_place) {
+            let own_new = inc[me].first().zip(inc[me].last()).map(|(a, b)| a.start..b.end);
+            let own_old = out[me].first().zip(out[me].last()).map(|(a, b)| a.start..b.end);
+            if let (Some(new_range), Some(from)) = (own_new, own_old) {
+                let part = l.part(new_range).ok_or_else(|| plan_error("overlapping segments"))?;
+                moved = self.own_in_place(in_place, vec![(part, from)]).await?;
+            }
+        }
         if let (Some(block), Some(l)) = (new, landing) {
             *block = Aligned::from_landing(l).ok_or_else(|| plan_error("a receive still holds the block"))?;
+            block.moved_in(&moved);
         }
         Ok(())
     }

@@ -425,13 +425,15 @@ impl Plan {
             old_runs: old.runs,
         };
         // One-sidedly moved items live where their pages can be handed over, when the
-        // transport allows it (see `crate::pages`), or else recycled (see
-        // `crate::anon`), at the next move too. Not after a background move, which
-        // neither hands over nor recycles: fresh pages of a shared-memory file take
-        // twice as long to populate as the heap's (256 MiB: 135 against 70 ms here).
+        // transport allows it (see `crate::pages`); items live where their pages can be
+        // recycled (see `crate::anon`) when the transport allows that; both at the next
+        // move too. Not after a background move, which neither hands over nor recycles:
+        // fresh pages of a shared-memory file take twice as long to populate as the
+        // heap's (256 MiB: 135 against 70 ms here).
         let place = match method {
-            Method::Rma if self.share.is_none() && t.hands_over_pages() => Place::Files,
-            Method::Rma if self.share.is_none() && t.recycles_pages() => Place::Pages,
+            _ if self.share.is_some() => Place::Heap,
+            Method::Rma if t.hands_over_pages() => Place::Files,
+            _ if t.recycles_pages() => Place::Pages,
             _ => Place::Heap,
         };
         let mut block = self.my_new.map(|n| {

@@ -924,14 +924,12 @@ impl Session {
     }
 
     /// Where the blocks of an item moved by `method` (the job's if `None`) live: where
-    /// one-sided moves can hand their pages over (see [`crate::pages`]) or recycle them
-    /// (see [`crate::anon`]), else on the heap.
+    /// one-sided moves can hand their pages over (see [`crate::pages`]), or where moves
+    /// can recycle them (see [`crate::anon`]), else on the heap.
     fn place_of(&self, method: Option<Method>) -> Place {
-        if method.unwrap_or(self.method) != Method::Rma {
-            return Place::Heap;
-        }
         let caps = self.endpoint.transport().capabilities();
-        if caps.shares_memory && crate::pages::handover() {
+        let rma = method.unwrap_or(self.method) == Method::Rma;
+        if rma && caps.shares_memory && crate::pages::handover() {
             Place::Files
         } else if crate::anon::recycling(&caps) {
             Place::Pages
