@@ -1,15 +1,16 @@
-//! Blocks in private anonymous mappings of their own, whose pages a one-sided move
-//! recycles instead of faulting in fresh ones.
+//! Blocks in private anonymous mappings of their own, whose pages a move recycles
+//! instead of faulting in fresh ones.
 //!
 //! Over a transport that copies (tcp, quic), a shrink is bound by the processor: the
 //! sources' copies into the sockets, the targets' copies out of them and the first
 //! touch of every page of the new blocks (a fault per 4 KiB page, 80 ms per 256 MiB on
-//! this project's VM) share two cores (docs/BENCHMARKS.md). Yet a target that was a
-//! source holds, once its readers are done, a whole old block of pages it is about to
-//! free. The one-sided executor moves those pages into its new block with `mremap`
-//! (page tables change, no byte is copied, no page faulted) before reading into them:
-//! the pages of its own overlap keep their bytes and land where the new block wants
-//! them, the others are overwritten by the gets.
+//! this project's VM) share two cores (docs/BENCHMARKS.md). Yet a member that stays
+//! holds, once its old block is sent, a whole block of pages it is about to free. Every
+//! executor moves the pages of the member's own overlap into its new block with
+//! `mremap` (page tables change, no byte is copied, no page is faulted), where they
+//! keep their bytes. The one-sided executor, whose targets choose when each overlap
+//! lands, also moves the old block's other pages under overlaps it then reads into
+//! them (`redistribute`).
 //!
 //! For the own overlap to move whole, a block is mapped as [`crate::pages::Mapping`]
 //! maps its files: the global array's byte `g` sits at mapping offset `g - origin`,
@@ -37,7 +38,7 @@ pub(crate) fn set_recycling(on: bool) {
     RECYCLE.store(on, Ordering::Relaxed);
 }
 
-/// Whether one-sided moves over a transport with `caps` recycle pages: it is on, and
+/// Whether moves over a transport with `caps` recycle pages: it is on, and
 /// the transport lets go of a window's memory once its readers have their bytes
 /// (`releases_windows`: tcp) and does not hand pages over itself (`shares_memory`,
 /// see [`crate::pages`]).

@@ -39,7 +39,7 @@ pub(crate) enum Place {
     /// On the heap.
     #[default]
     Heap,
-    /// In a private mapping of its own, whose pages a one-sided move recycles
+    /// In a private mapping of its own, whose pages a move recycles
     /// ([`crate::anon`]).
     Pages,
     /// In a shared-memory file, whose pages a one-sided move hands over

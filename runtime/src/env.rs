@@ -9,7 +9,7 @@
 //! | `DUCTILE_BACKGROUND_SHARE` | share of the time a background redistribution may keep the processes busy, in (0, 1]; 1 moves at full speed | [`DEFAULT_BACKGROUND_SHARE`] |
 //! | `DUCTILE_HUGE_PAGES` | `1`: new blocks of registered data of 32 MiB and more get transparent huge pages when the kernel has them free (see `block`) | `0` |
 //! | `DUCTILE_PAGE_HANDOVER` | `0`: one-sided moves over fabric shm copy every byte instead of handing whole pages over between processes (see `pages`) | `1` |
-//! | `DUCTILE_PAGE_RECYCLE` | `0`: one-sided moves over tcp fault in fresh pages for every new block instead of recycling the pages of the old one (see `anon`) | `1` |
+//! | `DUCTILE_PAGE_RECYCLE` | `0`: moves over tcp fault in fresh pages for every new block instead of reusing the pages of the old one (see `anon`) | `1` |
 //! | `DUCTILE_MALLOC_TUNING` | `0` leaves glibc's allocator settings alone (see `init`) | `1` |
 //! | `DUCTILE_CONTROL_FD` | set by the agent: the control channel's descriptor | unset (standalone) |
 
@@ -51,7 +51,7 @@ pub struct EnvSettings {
     pub huge_pages: bool,
     /// Whether one-sided moves may hand pages over between processes of a host.
     pub page_handover: bool,
-    /// Whether one-sided moves may recycle the pages of old blocks into new ones.
+    /// Whether moves may recycle the pages of old blocks into new ones.
     pub page_recycle: bool,
     /// Share of the time a background redistribution may keep busy, in (0, 1].
     pub background_share: f64,

@@ -126,7 +126,7 @@ impl AsyncGroup {
         self.core.endpoint.transport().capabilities().shares_memory && crate::pages::handover()
     }
 
-    /// Whether one-sided moves recycle the pages of old blocks into new ones (see
+    /// Whether moves recycle the pages of old blocks into new ones (see
     /// `crate::anon::recycling`).
     pub(crate) fn recycles_pages(&self) -> bool {
         crate::anon::recycling(&self.core.endpoint.transport().capabilities())

@@ -50,7 +50,10 @@
 //! disjoint parts ([`ductile_transport::Landing`]) that gets and receives fill in place;
 //! the old block is shared with the transport as `Bytes` without a copy. Each part's
 //! pages are populated just before it is filled ([`crate::block`]), unless the transport
-//! populates them in its own copies (`Capabilities::populates`).
+//! populates them in its own copies (`Capabilities::populates`). Where pages are
+//! recycled (`Capabilities::releases_windows`: tcp), every executor instead moves the
+//! whole pages of a member's own overlap from its old block into its new one once the
+//! transport has let go of the old block ([`Move::own_in_place`]).
 //!
 //! A move in the background is paced ([`Pacer`]): one segment in flight per target, and
 //! a pause after each so that the move keeps the processes busy only a share of the
