@@ -268,16 +268,19 @@ fn rma_over_shared_memory_hands_pages_over_and_keeps_every_element() {
 /// runtime's `anon`) instead of faulting in fresh ones: every executor those of the own
 /// overlap, rma the others too. So in a 4 -> 2 shrink and a growth, the old ranks that
 /// stay take far fewer page faults than with `DUCTILE_PAGE_RECYCLE=0`, and every
-/// element stays intact either way; through every size pair with rma, with blocks that
-/// start anywhere in a page, too. (The memory bounds of the `*_keeps_peak_memory_*`
+/// element stays intact either way; through every size pair with every executor, with
+/// blocks that start anywhere in a page, too. (The memory bounds of the `*_keeps_peak_memory_*`
 /// tests are checked with recycling too.)
 #[test]
 fn moves_over_tcp_recycle_old_pages_instead_of_faulting_fresh_ones() {
     // 256 MiB and 8 bytes of "large": blocks of 32 MiB and more, which live in mappings
     // of their own (smaller ones stay on the heap), at odd offsets.
     let tcp = ["--transport", "tcp"];
-    let (report, _) = redist_job_with("rma", &tcp, &["--large", "33554433"], "redist-recycle.json");
-    assert_eq!(pairs(&report).len(), CIRCUIT.len());
+    for method in ["rma", "collective", "p2p"] {
+        let name = format!("redist-recycle-{method}.json");
+        let (report, _) = redist_job_with(method, &tcp, &["--large", "33554433"], &name);
+        assert_eq!(pairs(&report).len(), CIRCUIT.len());
+    }
     let prog = ex("redist");
     // Page faults and pages held after the change, of the ranks below `ranks`.
     let faults = |method: &str, n: &str, to: &str, ranks: u64, recycle: &str| -> Vec<(u64, u64)> {

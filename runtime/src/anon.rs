@@ -5,8 +5,9 @@
 //! sources' copies into the sockets, the targets' copies out of them and the first
 //! touch of every page of the new blocks (a fault per 4 KiB page, 80 ms per 256 MiB on
 //! this project's VM) share two cores (docs/BENCHMARKS.md). Yet a member that stays
-//! holds, once its old block is sent, a whole block of pages it is about to free. Every
-//! executor moves the pages of the member's own overlap into its new block with
+//! holds, once its old block is sent, a whole block of pages it is about to free. In a
+//! blocking move (a background move keeps its blocks on the heap), every executor
+//! moves the pages of the member's own overlap into its new block with
 //! `mremap` (page tables change, no byte is copied, no page is faulted), where they
 //! keep their bytes. The one-sided executor, whose targets choose when each overlap
 //! lands, also moves the old block's other pages under overlaps it then reads into

@@ -52,8 +52,9 @@
 //! pages are populated just before it is filled ([`crate::block`]), unless the transport
 //! populates them in its own copies (`Capabilities::populates`). Where pages are
 //! recycled (`Capabilities::releases_windows`: tcp), every executor instead moves the
-//! whole pages of a member's own overlap from its old block into its new one once the
-//! transport has let go of the old block ([`Move::own_in_place`]).
+//! whole pages of a member's own overlap from its old block into its new one, in a
+//! blocking move, once the transport has let go of the old block
+//! ([`Move::own_in_place`]; the one-sided executor's `recycled_reads`).
 //!
 //! A move in the background is paced ([`Pacer`]): one segment in flight per target, and
 //! a pause after each so that the move keeps the processes busy only a share of the
@@ -325,7 +326,7 @@ impl Move<'_> {
         for (src, range) in self.receives(&plan) {
             if src == me {
                 let from = own.pop().ok_or_else(|| plan_error("own overlap"))?;
-                own_parts.push((lend(range)?, from));
+                own_parts.push((lend(range.clone())?, range, from));
             } else {
                 pending.push((src, segments(range, SEGMENT).collect::<Vec<_>>().into_iter()));
             }
@@ -364,14 +365,14 @@ impl Move<'_> {
         // old block is sent.
         let later = if in_place.is_some() { std::mem::take(&mut own_parts) } else { Vec::new() };
         let copy = async {
-            for (mut part, from) in own_parts {
+            for (mut part, _, from) in own_parts {
                 crate::block::fill(part.as_mut_slice(), &old[from]);
             }
             Ok(())
         };
         try_join(serve, try_join(receive, copy)).await?;
         drop(old);
-        let moved = self.own_in_place(in_place, later).await?;
+        let moved = self.own_in_place(in_place, later.into_iter().next()).await?;
         *block = Aligned::from_landing(landing).ok_or_else(|| plan_error("a receive still holds the block"))?;
         block.moved_in(&moved);
         Ok(())
@@ -385,27 +386,28 @@ impl Move<'_> {
         pages.filter(|p| p.pages().is_some()).map(|p| (p, phase))
     }
 
-    /// Moves the whole pages of the own overlap (`own`: its part of the new block, with
-    /// its byte range in the old one) from the old block into the new one, whose
-    /// mapping starts its bytes at the phase given, and copies its ends: no fresh page
-    /// and no copy for the rest (see [`crate::anon`]). Called once the move holds no
-    /// other reference to the old block; should the transport still hold one after
-    /// [`RECLAIM_WAIT`], the overlap is copied. Returns the ranges of the new block's
-    /// mapping that are kernel mappings of their own now.
+    /// Moves the whole pages of the own overlap (`own`: its part of the new block, its
+    /// byte range there, and its byte range in the old block) from the old block into
+    /// the new one, whose mapping starts its bytes at the phase given, and copies its
+    /// ends: no fresh page and no copy for the rest (see [`crate::anon`]). Called once
+    /// this member's sends are done. A send is done once the transport has queued it,
+    /// so the transport may still hold parts of the old block until the peers read
+    /// them, which they do whatever this member does: it waits for that, up to
+    /// [`SENT_WAIT`], and copies the overlap if the transport still holds the block
+    /// then. Returns the ranges of the new block's mapping that are kernel mappings of
+    /// their own now.
     async fn own_in_place(
         &self,
         in_place: Option<(Arc<Aligned>, usize)>,
-        own: Vec<(Part, Range<usize>)>,
+        own: Option<(Part, Range<usize>, Range<usize>)>,
     ) -> Result<Vec<Range<usize>>> {
-        let (Some((pages, phase)), Some((mut part, from))) = (in_place, own.into_iter().next()) else {
+        let (Some((pages, phase)), Some((mut part, range, from))) = (in_place, own) else {
             return Ok(Vec::new());
         };
-        let first = block_range(self.global, self.new_n, self.my_new.unwrap_or(0)).start;
-        let my_first = self.my_old().map_or(0, |o| block_range(self.global, self.old_n, o).start);
-        // The own overlap's range in the new block: the same array bytes.
-        let start = from.start + self.bytes(my_first) - self.bytes(first);
-        let range = start..start + from.len();
-        match reclaim(pages).await {
+        if range.len() != from.len() || part.len() != range.len() {
+            return Err(plan_error("own overlap of different sizes"));
+        }
+        match reclaim(pages, SENT_WAIT).await {
             Ok(mut old) => Ok(move_own(&mut old, &mut part, (&range, phase), from.start)?.0),
             Err(shared) => {
                 tracing::debug!("copying an own overlap: the transport still holds the old block");
@@ -490,9 +492,13 @@ impl Move<'_> {
         if let (Some(l), Some(_)) = (&landing, &in_place) {
             let own_new = inc[me].first().zip(inc[me].last()).map(|(a, b)| a.start..b.end);
             let own_old = out[me].first().zip(out[me].last()).map(|(a, b)| a.start..b.end);
-            if let (Some(new_range), Some(from)) = (own_new, own_old) {
-                let part = l.part(new_range).ok_or_else(|| plan_error("overlapping segments"))?;
-                moved = self.own_in_place(in_place, vec![(part, from)]).await?;
+            match (own_new, own_old) {
+                (Some(range), Some(from)) => {
+                    let part = l.part(range.clone()).ok_or_else(|| plan_error("overlapping segments"))?;
+                    moved = self.own_in_place(in_place, Some((part, range, from))).await?;
+                }
+                (None, None) => {}
+                _ => return Err(plan_error("own overlap on one side only")),
             }
         }
         if let (Some(block), Some(l)) = (new, landing) {
@@ -503,14 +509,21 @@ impl Move<'_> {
     }
 }
 
-/// How long a target waits for the transport to drop its last reference to the old
-/// block (a reply being written when the last reader's notice came) before it gives up
-/// recycling the block's pages.
+/// How long a one-sided target waits for the transport to drop its last reference to
+/// the old block (a reply being written when the last reader's notice came) before it
+/// gives up recycling the block's pages.
 const RECLAIM_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// The old block to itself, once no one else holds it (or back after [`RECLAIM_WAIT`]).
-async fn reclaim(mut shared: Arc<Aligned>) -> std::result::Result<Aligned, Arc<Aligned>> {
-    let deadline = tokio::time::Instant::now() + RECLAIM_WAIT;
+/// How long a member whose sends are done waits for the transport to let go of its old
+/// block (sends still queued for peers that read them) before it copies its own
+/// overlap instead of moving its pages. The peers read what is queued whatever this
+/// member does, and the change ends only once they have, so waiting costs the change
+/// nothing.
+const SENT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The old block to itself, once no one else holds it (or back after `limit`).
+async fn reclaim(mut shared: Arc<Aligned>, limit: std::time::Duration) -> std::result::Result<Aligned, Arc<Aligned>> {
+    let deadline = tokio::time::Instant::now() + limit;
     loop {
         match Arc::try_unwrap(shared) {
             Ok(block) => return Ok(block),

@@ -203,7 +203,8 @@ impl Registry {
     pub(crate) fn block<T: Pod>(&self, name: &str) -> Result<&[T]> {
         let i = self.typed::<T>(name)?;
         let bytes = self.moving[i].as_deref().unwrap_or_else(|| self.blocks[i].bytes());
-        // Both kinds of storage start 8-byte aligned (an `Aligned`, maybe shared).
+        // Heap blocks start 8-byte aligned; blocks in mappings start at the array's byte
+        // offset within a page, a multiple of the element's size and so of its alignment.
         bytemuck::try_cast_slice(bytes).map_err(|e| Error::Invalid(format!("{name:?}: {e}")))
     }
 

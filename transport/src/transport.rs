@@ -61,7 +61,9 @@ pub struct Capabilities {
     /// window's memory (tcp: a reply is copied into the socket as it is written), so a
     /// withdrawn window's pages may be moved elsewhere (the runtime recycles them into
     /// new blocks). Not quic (sent stream data is kept until acknowledged) nor fabric
-    /// (registration caches may outlive a window).
+    /// (registration caches may outlive a window). Sends are another matter: a tcp send
+    /// completes once queued, so its bytes are held until the peer reads them; the
+    /// runtime waits for its last reference to go.
     pub releases_windows: bool,
 }
 

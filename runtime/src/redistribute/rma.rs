@@ -253,7 +253,7 @@ impl Move<'_> {
     ) -> Result<Vec<Range<usize>>> {
         served.await.map_err(|_| plan_error("the old block's readers were not waited for"))?;
         let mut moved = Vec::new();
-        match reclaim(old_block).await {
+        match reclaim(old_block, RECLAIM_WAIT).await {
             Ok(mut old) => {
                 let own_at = own.as_ref().map(|(_, range, at)| *at..at + range.len());
                 let mut spare = old.pages().map_or_else(Vec::new, |p| spare_pages(p, own_at.as_ref()));
