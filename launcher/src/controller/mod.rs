@@ -36,6 +36,8 @@ pub const MAX_FENCE: Duration = Duration::from_secs(60);
 pub const ABORT_GRACE: Duration = Duration::from_secs(5);
 /// Exit code when `--timeout` ends the job.
 pub const TIMEOUT_EXIT: i32 = 124;
+/// Longest wait at the end of a job for the answers to resize requests to be written.
+const ANSWER_FLUSH: Duration = Duration::from_secs(1);
 
 /// What `ductile run` was asked to do.
 #[derive(Clone, Debug)]
@@ -212,7 +214,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     let fence_limit = spec.timeout.unwrap_or(DEFAULT_WAIT_TIMEOUT).min(MAX_FENCE);
     let (ev_tx, mut events) = mpsc::unbounded_channel();
     let (arr_tx, mut arrivals) = mpsc::unbounded_channel();
-    let socket = socket::serve(job, arr_tx)?;
+    let (socket, answering) = socket::serve(job, arr_tx)?;
     let fwd = ev_tx.clone();
     tokio::spawn(async move {
         while let Some(a) = arrivals.recv().await {
@@ -253,6 +255,9 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
         ctl.ending.get_or_insert(Ending::Reconfig(format!("the controller failed: {e:#}")));
     }
     let code = ctl.finish().await;
+    // Answers to resize requests (a change completed as the job ended) are written
+    // before the process ends.
+    answering.flushed(ANSWER_FLUSH).await;
     let _ = std::fs::remove_file(&ctl.socket);
     // Every rank has ended; an agent killed before its ranks could not clean up after
     // them (see `shm_regions`).
@@ -519,6 +524,9 @@ impl Ctl {
         };
         if let Some(q) = self.queued.take() {
             q.refuse("the job ended before its next checkpoint");
+        }
+        if let Some(f) = self.flight.take() {
+            f.fail("the job ended before the change was done");
         }
         self.reap(ABORT_GRACE).await;
         for a in &self.agents {

@@ -436,13 +436,22 @@ impl Ctl {
             }
             Phase::Switching => {
                 // The old processes that stay exit only when the application ends,
-                // and their rank 0 reports the switch before it exits (its agent relays
-                // both in order): if they are all gone, the application finished as the
-                // change was sent out, and nothing can switch now. (Processes that leave
-                // in this change, all of them with `--method baseline`, exit anyway.)
+                // and their rank 0 reports the switch before it exits: if they are all
+                // gone and their agents have relayed everything they sent, the
+                // application finished as the change was sent out, and nothing can
+                // switch now. (Processes that leave in this change, all of them with
+                // `--method baseline`, exit anyway.) An agent may report a rank's exit
+                // before that rank's last messages, which it passes on as it drains
+                // (a switch report just before the rank finalized; the rank's messages
+                // and its exit reach the agent on different channels): only an agent
+                // that is done has relayed them all. Counting a stayer as ended at its
+                // exit dropped a finished shrink now and then, unrecorded.
                 let mut stay = f.old.iter().filter(|r| !f.leaving.contains(r)).peekable();
-                let stayers_ended =
-                    stay.peek().is_some() && stay.all(|r| self.agents.iter().all(|a| !a.live.contains(r)));
+                let stayers_ended = stay.peek().is_some()
+                    && stay.all(|r| {
+                        self.agents.iter().all(|a| !a.live.contains(r))
+                            && self.host.get(r).is_none_or(|&a| self.agents[a].done)
+                    });
                 if stayers_ended {
                     tracing::info!(
                         "the application finished while resize {} was switching; its new node worlds will be ended",

@@ -12,10 +12,12 @@ use ductile::bootstrap::nonblocking;
 use ductile_transport::{JobId, NodeId};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 
 /// Time a connection has to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -105,11 +107,62 @@ fn remove_stale(dir: &Path) {
     }
 }
 
-/// Binds the job's socket and serves it; arrivals go into `tx`.
+/// The resize requests whose connections may still have answers to write. Each
+/// connection's task writes its answers, so a controller that returned as soon as the
+/// job ended could end that task before it wrote the answer to a resize completed
+/// just then (a change that ends the application): the controller waits for them
+/// ([`Answering::flushed`]) before it exits.
+#[derive(Clone, Default)]
+pub struct Answering(Arc<Connections>);
+
+/// The count of [`Answering`], and the signal of each connection's end.
+#[derive(Default)]
+struct Connections {
+    open: AtomicUsize,
+    ended: Notify,
+}
+
+/// One connection's share of [`Answering`], released when its task ends.
+struct Answer(Answering);
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        let c = &(self.0).0;
+        c.open.fetch_sub(1, Ordering::AcqRel);
+        c.ended.notify_waiters();
+    }
+}
+
+impl Answering {
+    fn start(&self) -> Answer {
+        self.0.open.fetch_add(1, Ordering::AcqRel);
+        Answer(self.clone())
+    }
+
+    /// Waits until every connection has written its last answer (they do once the
+    /// controller drops the requests), for at most `limit`.
+    pub async fn flushed(&self, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            // Registered before the check: a task that ends in between still wakes us.
+            let ended = self.0.ended.notified();
+            if self.0.open.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, ended).await.is_err() {
+                tracing::warn!("a resize request's answer could not be written before the job ended");
+                return;
+            }
+        }
+    }
+}
+
+/// Binds the job's socket and serves it; arrivals go into `tx`. Returns the socket's
+/// path and the connections answering resize requests.
 ///
 /// # Errors
 /// The directory or socket cannot be made.
-pub fn serve(job: JobId, tx: mpsc::UnboundedSender<Arrival>) -> std::io::Result<PathBuf> {
+pub fn serve(job: JobId, tx: mpsc::UnboundedSender<Arrival>) -> std::io::Result<(PathBuf, Answering)> {
     let path = socket_path(job);
     let dir = path.parent().unwrap_or(Path::new("/"));
     private_dir(dir)?;
@@ -119,11 +172,13 @@ pub fn serve(job: JobId, tx: mpsc::UnboundedSender<Arrival>) -> std::io::Result<
     let _ = std::fs::remove_file(&binding);
     let listener = UnixListener::bind(&binding)?;
     std::fs::rename(&binding, &path)?;
+    let answering = Answering::default();
+    let answers = answering.clone();
     tokio::spawn(async move {
         loop {
             match listener.accept().await {
                 Ok((s, _)) => {
-                    tokio::spawn(greet(s, tx.clone()));
+                    tokio::spawn(greet(s, tx.clone(), answers.clone()));
                 }
                 Err(e) => {
                     tracing::warn!("control socket accept failed: {e}");
@@ -132,10 +187,10 @@ pub fn serve(job: JobId, tx: mpsc::UnboundedSender<Arrival>) -> std::io::Result<
             }
         }
     });
-    Ok(path)
+    Ok((path, answering))
 }
 
-async fn greet(s: UnixStream, tx: mpsc::UnboundedSender<Arrival>) {
+async fn greet(s: UnixStream, tx: mpsc::UnboundedSender<Arrival>, answering: Answering) {
     let cred = match s.peer_cred() {
         Ok(c) => c,
         Err(e) => {
@@ -172,6 +227,7 @@ async fn greet(s: UnixStream, tx: mpsc::UnboundedSender<Arrival>) {
             let _ = tx.send(Arrival::Agent { node, token, pid, rx, tx: wtx });
         }
         Hello::Resize(target) => {
+            let _answer = answering.start();
             let (reply, mut replies) = mpsc::unbounded_channel();
             if tx.send(Arrival::Resize { target, reply }).is_err() {
                 return;
