@@ -9,9 +9,9 @@
 //! blocking move (a background move keeps its blocks on the heap), every executor
 //! moves the pages of the member's own overlap into its new block with
 //! `mremap` (page tables change, no byte is copied, no page is faulted), where they
-//! keep their bytes. The one-sided executor, whose targets choose when each overlap
-//! lands, also moves the old block's other pages under overlaps it then reads into
-//! them (`redistribute`).
+//! keep their bytes. The one-sided and point-to-point executors, whose targets choose
+//! when each overlap lands, also move the old block's other pages under overlaps they
+//! then read or receive into them (`redistribute`).
 //!
 //! For the own overlap to move whole, a block is mapped as [`crate::pages::Mapping`]
 //! maps its files: the global array's byte `g` sits at mapping offset `g - origin`,

@@ -483,7 +483,7 @@ struct Deferred {
 
 /// The pages of an old block's mapping that its own overlap (bytes `own` of the old
 /// block) does not touch: those it can give to other overlaps, as mapping offsets.
-fn spare_pages(old: &Anon, own: Option<&Range<usize>>) -> Vec<Range<usize>> {
+pub(super) fn spare_pages(old: &Anon, own: Option<&Range<usize>>) -> Vec<Range<usize>> {
     let all = old.mapping();
     let Some(own) = own else { return vec![all] };
     let t = crate::anon::touched(old.phase(), own);
@@ -512,7 +512,7 @@ fn carve(range: Range<usize>, phase: usize, spare: &mut usize) -> (Vec<Range<usi
 ///
 /// # Errors
 /// A refused move left part of `dst` unmapped (see `crate::anon::Hole`).
-fn recycle_into(dst: &mut [u8], old: &mut Anon, spare: &mut Vec<Range<usize>>) -> Result<Vec<Range<usize>>> {
+pub(super) fn recycle_into(dst: &mut [u8], old: &mut Anon, spare: &mut Vec<Range<usize>>) -> Result<Vec<Range<usize>>> {
     let mut mappings = Vec::new();
     let mut done = 0;
     while done < dst.len() {
