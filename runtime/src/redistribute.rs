@@ -61,8 +61,8 @@
 //! whose targets choose when each overlap lands go further: a one-sided target reads,
 //! and a point-to-point target grants, the last pieces from members that leave or come
 //! before it only once its old block's other pages can move under them too (`p2p.rs`).
-//! Over tcp, p2p went from 3.03 to 3.72 GB/s in 4→2 with it, 2.70 to 2.89 in 8→2 and
-//! 3.27 to 3.48 in 2→4 (medians of 5 alternating jobs).
+//! Over tcp, p2p went from 2.94 to 3.37 GB/s in 4→2 with it, 2.94 to 3.10 in 8→2 and
+//! 3.38 to 3.60 in 2→4 (medians of 5 alternating jobs).
 //!
 //! A move in the background is paced ([`Pacer`]): one segment in flight per target, and
 //! a pause after each so that the move keeps the processes busy only a share of the
