@@ -4,8 +4,8 @@
 //! Where pages are recycled ([`crate::anon`]), a target that was a source also moves
 //! its old block's pages into its new block once its own sends are done: its own
 //! overlap's with their bytes, and the rest under the last segments of sources that
-//! leave or come before it, which it grants only then, once its other segments have
-//! landed. A source sends a target its segments in order, each on a grant, and serves
+//! leave or come before it, which it grants only then, after all its other segments.
+//! A source sends a target its segments in order, each on a grant, and serves
 //! each target on its own: a target that grants the tail of a source's segments after
 //! all the others holds nothing else of the source back, and the source's segments
 //! still land in order. A target that holds back segments waits only for its own
