@@ -430,6 +430,29 @@ fn an_application_finishing_during_a_background_move_ends_the_job_cleanly() {
 }
 
 #[test]
+fn a_change_whose_switch_report_comes_after_its_ranks_exit_is_still_recorded() {
+    // A solver that is done (its iterations run, its changes had) finalizes right after
+    // its last change switches; the new rank 0 reports the switch just before. Its agent
+    // may pass the rank's exit on before that report, as it does here, where it relays
+    // every switch report 300 ms late. The change must be recorded all the same: it was
+    // taken for abandoned and dropped, now and then, while its report was on the way.
+    let report = tmp("late-switch-report.json");
+    let prog = ex("jacobi");
+    let mut args = vec!["run", "--timeout", "60", "--report", report.to_str().unwrap()];
+    args.extend(["-n", "1", "--slots", "1", "--max-nodes", "8", "--policy", "steps:8,8,2", "--", prog.as_str()]);
+    // Ten iterations: the shrink always lands after them, so the solver ends with it.
+    args.extend(["--points", "50000", "--iters", "10", "--every", "10", "--background", "--until-changes", "2"]);
+    let mut cmd = ductile(&args);
+    cmd.env("DUCTILE_BACKGROUND_SHARE", "1").env("DUCTILE_TEST_SWITCH_RELAY_DELAY_MS", "300");
+    let out = cmd.output().expect("start ductile");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("checksum"));
+    let want: Vec<(String, u64, u64)> = vec![("grow".into(), 1, 8), ("shrink".into(), 8, 2)];
+    assert_eq!(kinds(&read_report(&report)), want, "{}", String::from_utf8_lossy(&out.stderr));
+    assert_no_survivors(&report);
+}
+
+#[test]
 fn an_application_finishing_while_a_growth_switches_ends_the_job_cleanly() {
     // A short solver with background checkpoints: its last growth (1 -> 3 nodes) is
     // often decided so late that the solver ends as the change is sent out, before

@@ -36,6 +36,10 @@ use tokio::task::JoinHandle;
 pub const KILL_GRACE: Duration = Duration::from_secs(2);
 /// Time allowed to drain a rank's output after it exited.
 const DRAIN: Duration = Duration::from_secs(2);
+/// Testing knob: delays this agent's relay of every switch report by as many
+/// milliseconds, as a starved agent may (the report then comes after its rank's exit),
+/// so that the tests can check that the change is still recorded.
+const SWITCH_RELAY_DELAY_ENV: &str = "DUCTILE_TEST_SWITCH_RELAY_DELAY_MS";
 
 struct Proc {
     pid: u32,
@@ -303,11 +307,15 @@ impl Supervisor {
         mut grown: mpsc::UnboundedReceiver<Grown>,
     ) -> anyhow::Result<()> {
         let (msg_tx, mut msgs) = mpsc::unbounded_channel();
+        let delay = std::env::var(SWITCH_RELAY_DELAY_ENV).ok().and_then(|v| v.parse().ok()).map(Duration::from_millis);
         for (id, r) in world.readers.drain(..) {
             let tx = msg_tx.clone();
             let mut rx = reader::<FromRank, _>(r);
             tokio::spawn(async move {
                 while let Some(Ok(m)) = rx.recv().await {
+                    if let (Some(d), FromRank::Switched { .. }) = (delay, &m) {
+                        tokio::time::sleep(d).await;
+                    }
                     if tx.send((id, m)).is_err() {
                         return;
                     }
