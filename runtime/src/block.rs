@@ -324,20 +324,8 @@ const POPULATE_MIN: usize = 256 << 10;
 /// Faults in the whole pages of `mem` (at least [`POPULATE_MIN`] bytes) in one call, so
 /// that writing them takes no page fault; see [`fill`].
 pub(crate) fn populate(mem: &mut [u8]) {
-    if mem.len() < POPULATE_MIN {
-        return;
-    }
-    // SAFETY: sysconf has no preconditions.
-    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1);
-    let addr = mem.as_mut_ptr() as usize;
-    let start = addr.next_multiple_of(page);
-    let end = (addr + mem.len()) / page * page;
-    if end > start {
-        // SAFETY: [start, end) lies inside `mem`, writable memory of this process that we
-        // borrow mutably; populating faults its pages in and leaves the bytes unchanged.
-        let rc = unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE) };
-        // On failure (an old kernel) the copy takes the faults instead.
-        let _ = rc;
+    if mem.len() >= POPULATE_MIN {
+        ductile_transport::populate(mem);
     }
 }
 

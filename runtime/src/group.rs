@@ -119,6 +119,12 @@ impl AsyncGroup {
         self.core.endpoint.transport().capabilities().populates
     }
 
+    /// Whether the transport's peers share the host's memory
+    /// (`Capabilities::shares_memory`).
+    pub(crate) fn shares_memory(&self) -> bool {
+        self.core.endpoint.transport().capabilities().shares_memory
+    }
+
     /// Whether one-sided moves hand whole pages over instead of copying them: the
     /// transport's peers share the host's memory (`Capabilities::shares_memory`) and
     /// `DUCTILE_PAGE_HANDOVER` is not 0 (see [`crate::pages`]).

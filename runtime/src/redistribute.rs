@@ -14,13 +14,15 @@
 //!   can read the payload there in place. A process talks only to the processes its
 //!   blocks overlap with.
 //! - [`Method::Collective`]: an alltoallv over the whole transition group, one round per
-//!   segment: in each round, every member with an old block sends a (possibly empty)
-//!   block to every other member with one, so that these members go from round to round
-//!   together, and its segments to the members that joined (which tell their sources
-//!   once, in round 0, that their receives are posted). Every round's receives are
-//!   posted into the segments' places before anything is sent, so a block that comes
-//!   ahead of its round still lands in place. Segments shrink with the number of old
-//!   ranks so that one round brings a member at most [`ROUND_BUDGET`] bytes.
+//!   segment. A member posts every round's receives into the segments' places, then
+//!   tells each member that feeds it so; a source sends a target nothing before that,
+//!   so every segment lands in place. In each round every member sends its segments;
+//!   where peers share memory, or the move is paced, every member with an old block
+//!   also sends every other member with one an empty block when it has no segment for
+//!   it, so that they go from round to round together ([`Move::sends_empty`]). A
+//!   round's segments are populated while the round before travels. Segments shrink
+//!   with the number of old ranks so that one round brings a member at most
+//!   [`ROUND_BUDGET`] bytes.
 //! - [`Method::Rma`]: each source exposes its old block as a window (a local
 //!   registration) and tells each of its targets the window's id; each target reads
 //!   its overlaps straight into its new block (`get_into`: the backend writes the bytes
@@ -51,7 +53,7 @@
 //! The new block is allocated once at its final size and lent to the transport in
 //! disjoint parts ([`ductile_transport::Landing`]) that gets and receives fill in place;
 //! the old block is shared with the transport as `Bytes` without a copy. Each part's
-//! pages are populated just before it is filled ([`crate::block`]), unless the transport
+//! pages are populated before it is filled ([`crate::block`]), unless the transport
 //! populates them in its own copies (`Capabilities::populates`). Where pages are
 //! recycled (`Capabilities::releases_windows`: tcp), every executor instead moves the
 //! whole pages of a member's own overlap from its old block into its new one, in a
@@ -101,11 +103,10 @@ pub const GETS_IN_FLIGHT: usize = 4;
 const LARGEST_GET: usize = 64 << 20;
 /// Segments a target keeps in flight towards it in the point-to-point executor.
 pub const WINDOW: usize = 4;
-/// Most bytes one collective round brings a member. Senders can be one round ahead of
-/// a slow member with an old block (a round ends for them once the member has entered
-/// it), and a member that joined gets at most round 0's segments before its receives
-/// are posted (see [`Move::sends_empty`]), so twice this may be in flight towards a
-/// member: 64 MiB, the most a rank may hold beyond its incoming block. Fewer, larger rounds cost less synchronisation: 16 → 32 MiB took the
+/// Most bytes one collective round brings a member. Every segment lands in place, in a
+/// receive posted before its sender was told to send, so no round costs memory beyond
+/// the incoming block; rounds bound how far members in step get ahead of each other
+/// (see [`Move::sends_empty`]). Fewer, larger rounds cost less synchronisation: 16 → 32 MiB took the
 /// collective over fabric shm from 1.56 to 1.75 GB/s in 8→2 and from 1.73 to 2.13 in
 /// 4→1 (alternating jobs, medians of 4); over tcp the same within the noise.
 pub const ROUND_BUDGET: usize = 32 << 20;
@@ -235,9 +236,14 @@ impl Move<'_> {
     /// (4 jobs) populated here, and overlapped a third as many iterations. Why the
     /// pacing holds the one and not the other was not established.
     fn prepare(&self, part: &mut Part) {
-        if !self.t.populates() || Pacer::new(self.share).paced() {
+        if self.populating() {
             crate::block::populate(part.as_mut_slice());
         }
+    }
+
+    /// Whether this move populates the memory the transport fills ([`Move::prepare`]).
+    fn populating(&self) -> bool {
+        !self.t.populates() || Pacer::new(self.share).paced()
     }
 
     fn my_old(&self) -> Option<u32> {
@@ -336,71 +342,83 @@ impl Move<'_> {
         }
     }
 
-    /// Whether member `from` sends member `to` a block in `round` even without a segment
-    /// for it (`feeds`: whether `to` sends `from` segments). Members with old blocks
-    /// exchange one every round, so that they go from round to round together. A member
-    /// that joined has nothing to send; waiting for its empty blocks every round would
-    /// only hold the others back. It sends one in round 0 to each member that feeds it,
-    /// once its receives are posted, so that at most one round's segments reach it
-    /// before they are. (Against empty blocks from every member every round, medians of
-    /// 7 alternating jobs, GB/s: over fabric shm 2→8 3.40 against 3.07 and 2→4 3.55
-    /// against 3.17; over tcp 2→8 2.95 against 2.60, 1→4 2.87 against 3.00.)
-    fn sends_empty(&self, from: usize, to: usize, round: usize, feeds: bool) -> bool {
+    /// Whether member `from` sends member `to` a block in a round even without a
+    /// segment for it, so that they go from round to round together. Members with old
+    /// blocks keep in step where peers share memory: unpaced, the members that leave
+    /// all copy into one target at once (without rounds, fabric shm 4→1 ran at 2.67
+    /// GB/s against 3.07), and in a paced move, where member 0 paces them all. Over a
+    /// socket the receiver's flow control paces each sender, and keeping in step only
+    /// waits on the slowest member (over tcp without rounds, medians of 7 alternating
+    /// jobs, GB/s: 8→2 2.46 against 2.33, 2→8 3.14 against 2.91, 4→2 and 4→1 the same).
+    /// A member that joined has nothing to send; waiting for its empty blocks every
+    /// round would only hold the others back (against empty blocks from every member
+    /// every round: over fabric shm 2→8 3.40 against 3.07 and 2→4 3.55 against 3.17).
+    fn sends_empty(&self, from: usize, to: usize) -> bool {
         let old = |m: usize| m < self.old_n as usize;
-        (old(from) && old(to)) || (round == 0 && !old(from) && feeds)
+        let lockstep = self.share.is_some() || self.t.shares_memory();
+        lockstep && old(from) && old(to)
     }
 
     /// Posts this member's receives of collective round `round`: each segment into its
     /// place in the new block (`landing`), and the empty blocks it expects
-    /// ([`Move::sends_empty`]). `inc` and `out` are the segments from and to each member.
+    /// ([`Move::sends_empty`]). `inc` are the segments from each member.
     fn post_round<'a>(
         &'a self,
         round: usize,
         landing: Option<&Arc<Landing>>,
         inc: &[Vec<Range<usize>>],
-        out: &[Vec<Range<usize>>],
     ) -> Result<Vec<BoxFuture<'a, Result<()>>>> {
         let (t, me) = (self.t, self.t.rank());
         let mut recvs: Vec<BoxFuture<'a, Result<()>>> = Vec::with_capacity(inc.len());
         for src in (0..inc.len()).filter(|&s| s != me) {
             match (landing, inc[src].get(round)) {
                 (Some(l), Some(seg)) => {
-                    let mut part = l.part(seg.clone()).ok_or_else(|| plan_error("overlapping segments"))?;
-                    self.prepare(&mut part);
+                    let part = l.part(seg.clone()).ok_or_else(|| plan_error("overlapping segments"))?;
                     let landed = t.post_in_place(src, self.tag, part)?;
                     recvs.push(Box::pin(async move { landed.await.map(drop) }));
                 }
-                (_, None) if !self.sends_empty(src, me, round, !out[src].is_empty()) => {}
-                _ => {
-                    let empty = t.post_tagged(src, self.tag)?;
-                    recvs.push(Box::pin(async move {
-                        let (b, _) = empty.await?;
-                        if b.is_empty() {
-                            Ok(())
-                        } else {
-                            Err(plan_error(&format!("{} unexpected bytes from member {src}", b.len())))
-                        }
-                    }));
-                }
+                (_, None) if !self.sends_empty(src, me) => {}
+                _ => recvs.push(self.expect_empty(src)?),
             }
         }
         Ok(recvs)
     }
 
-    async fn collective(&self, old: Bytes, pages: Option<Arc<Aligned>>, mut new: Option<&mut Aligned>) -> Result<()> {
-        let (t, size, me) = (self.t, self.t.size(), self.t.rank());
+    /// Posts a receive of an empty block from member `src`.
+    fn expect_empty(&self, src: usize) -> Result<BoxFuture<'_, Result<()>>> {
+        let empty = self.t.post_tagged(src, self.tag)?;
+        Ok(Box::pin(async move {
+            let (b, _) = empty.await?;
+            if b.is_empty() {
+                Ok(())
+            } else {
+                Err(plan_error(&format!("{} unexpected bytes from member {src}", b.len())))
+            }
+        }))
+    }
+
+    /// The collective's segment length, and the segments this member sends to and
+    /// receives from each member, in round order.
+    fn round_segments(&self) -> (usize, PerMember, PerMember) {
+        let size = self.t.size();
         // A member receives from at most every old rank in a round.
         let seg_len = (ROUND_BUDGET / self.old_n.max(1) as usize).clamp(MIN_ROUND_SEGMENT, SEGMENT);
-        let mut out: Vec<Vec<Range<usize>>> = vec![Vec::new(); size];
+        let mut out: PerMember = vec![Vec::new(); size];
         for (k, range) in self.sends() {
             out[k] = segments(range, seg_len).collect();
         }
-        let mut inc: Vec<Vec<Range<usize>>> = vec![Vec::new(); size];
+        let mut inc: PerMember = vec![Vec::new(); size];
         if let Some(plan) = self.drain() {
             for (src, range) in self.receives(&plan) {
                 inc[src] = segments(range, seg_len).collect();
             }
         }
+        (seg_len, out, inc)
+    }
+
+    async fn collective(&self, old: Bytes, pages: Option<Arc<Aligned>>, mut new: Option<&mut Aligned>) -> Result<()> {
+        let (t, size, me) = (self.t, self.t.size(), self.t.rank());
+        let (seg_len, out, inc) = self.round_segments();
         let in_place = new.as_deref().and_then(|block| self.in_place(pages, block));
         // Incoming segments land straight in the new block.
         let landing = new.as_deref_mut().map(|block| std::mem::take(block).into_landing());
@@ -408,11 +426,32 @@ impl Move<'_> {
         // the largest overlap there can be, which is no larger than the largest block.
         let largest = |n: u32| self.global.div_ceil(u64::from(n.max(1)));
         let rounds = segments(0..self.bytes(largest(self.old_n).min(largest(self.new_n))), seg_len).count();
+        // A member tells each member that feeds it once all its receives are posted, and
+        // a member sends a target its first segment only once told: a segment that came
+        // earlier would land in a buffer of its own and be copied again. The notices come
+        // first from each member, so they are posted first. (8→2 over tcp: 36597 page
+        // faults for rank 1's 33746 new pages before, 33827 after.)
+        let mut ready: Vec<Option<BoxFuture<'_, Result<()>>>> = (0..size)
+            .map(|d| (d != me && !out[d].is_empty()).then(|| self.expect_empty(d)).transpose())
+            .collect::<Result<_>>()?;
         // Every round's receives are posted before anything is sent, in round order: a
-        // member's blocks arrive in round order, so each lands in its own receive, and
-        // one that comes ahead of this member's round still lands in place.
-        let posted =
-            (0..rounds).map(|r| self.post_round(r, landing.as_ref(), &inc, &out)).collect::<Result<Vec<_>>>()?;
+        // member's blocks arrive in round order, so each lands in its own receive.
+        let posted = (0..rounds).map(|r| self.post_round(r, landing.as_ref(), &inc)).collect::<Result<Vec<_>>>()?;
+        // Each round's segments from others are populated ([`Move::prepare`]) while the
+        // round before travels, round 0's before the notices: populating the whole block
+        // first kept the senders waiting (8→2 over tcp: 45-58 ms for the two targets).
+        let populate = |round: usize| {
+            if let (Some(l), true) = (&landing, self.populating()) {
+                for seg in (0..size).filter(|&s| s != me).filter_map(|s| inc[s].get(round)) {
+                    l.populate(seg.clone());
+                }
+            }
+        };
+        populate(0);
+        let mut notices: Vec<_> = (0..size)
+            .filter(|&src| src != me && !inc[src].is_empty())
+            .map(|src| t.send_tagged(src, self.tag, Bytes::new()))
+            .collect();
         // Rounds hold every member back to the slowest, so one member paces them all.
         // (If every member paced, each would count the others' pauses as its own work
         // and pause longer, round after round.)
@@ -424,17 +463,28 @@ impl Move<'_> {
             let block = |d: usize| out[d].get(round).map_or_else(Bytes::new, |r| old.slice(r.clone()));
             let sends = (1..size)
                 .map(|k| (me + k) % size)
-                .filter(|&d| out[d].get(round).is_some() || self.sends_empty(me, d, round, !inc[d].is_empty()))
-                .map(|d| t.send_tagged(d, self.tag, block(d)));
+                .filter(|&d| out[d].get(round).is_some() || self.sends_empty(me, d))
+                .map(|d| {
+                    let ready = if round == 0 { ready[d].take() } else { None };
+                    async move {
+                        if let Some(ready) = ready {
+                            ready.await?;
+                        }
+                        t.send_tagged(d, self.tag, block(d)).await
+                    }
+                })
+                .collect::<Vec<_>>();
             // The own segment is copied while the others travel (or moved in at the end).
             let own = async {
+                populate(round + 1);
                 if let (Some(l), Some(seg), None) = (&landing, inc[me].get(round), &in_place) {
                     let mut part = l.part(seg.clone()).ok_or_else(|| plan_error("overlapping segments"))?;
                     crate::block::fill(part.as_mut_slice(), &block(me));
                 }
                 Ok(())
             };
-            try_join3(try_join_all(sends), try_join_all(recvs), own).await?;
+            let notices = std::mem::take(&mut notices);
+            try_join3(try_join_all(sends), try_join(try_join_all(recvs), try_join_all(notices)), own).await?;
         }
         drop(old);
         let mut moved = Vec::new();
@@ -457,6 +507,9 @@ impl Move<'_> {
         Ok(())
     }
 }
+
+/// The collective's segments from or to each member of the transition group.
+type PerMember = Vec<Vec<Range<usize>>>;
 
 /// How long a one-sided target waits for the transport to drop its last reference to
 /// the old block (a reply being written when the last reader's notice came) before it

@@ -17,6 +17,33 @@ use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
 
+/// Faults in the whole pages of `mem` in one call, without changing a byte, so that
+/// writing them takes no page fault. On an old kernel (no `MADV_POPULATE_WRITE`) it does
+/// nothing and the writes take the faults.
+pub fn populate(mem: &mut [u8]) {
+    // SAFETY: `mem` is memory of this process, borrowed mutably here.
+    unsafe { populate_raw(mem.as_mut_ptr(), mem.len()) }
+}
+
+/// [`populate`] on `len` bytes from `ptr`.
+///
+/// # Safety
+/// The bytes must be mapped, writable memory of this process for the whole call.
+unsafe fn populate_raw(ptr: *mut u8, len: usize) {
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1);
+    let addr = ptr as usize;
+    let start = addr.next_multiple_of(page);
+    let end = (addr + len) / page * page;
+    if end > start {
+        // SAFETY: [start, end) lies inside the caller's memory, mapped and writable;
+        // populating faults its pages in and leaves the bytes unchanged.
+        let rc = unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE) };
+        // On failure (an old kernel) the writes take the faults instead.
+        let _ = rc;
+    }
+}
+
 /// A buffer lent out in disjoint [`Part`]s; see the module docs.
 pub struct Landing {
     /// The first byte (taken before the buffer was shared; the memory of the boxed
@@ -97,6 +124,21 @@ impl Landing {
         }
         lent.push(range.clone());
         Some(Part { landing: self.clone(), range })
+    }
+
+    /// Faults in the whole pages of `range` for writing, without changing a byte,
+    /// whether or not a part of it is lent out: a receiver can populate memory while a
+    /// backend fills it (the kernel serialises the faults, and a page already there is
+    /// left alone). Filling fresh memory costs a fault per page; populating it first in
+    /// one call is cheaper. `false` if the range is not inside the buffer.
+    pub fn populate(&self, range: Range<usize>) -> bool {
+        if range.start > range.end || range.end > self.len {
+            return false;
+        }
+        // SAFETY: the range lies inside the buffer, which lives as long as `self`;
+        // populating reads and writes no byte of it.
+        unsafe { populate_raw(self.base.add(range.start), range.len()) };
+        true
     }
 
     /// The buffer back, once no part is out; else the landing itself.
@@ -273,5 +315,24 @@ mod tests {
         let p = l.part(8..16).unwrap();
         drop(l);
         assert_eq!(p.as_slice(), &7u64.to_ne_bytes());
+    }
+
+    #[test]
+    fn populating_changes_no_byte_even_of_a_part_lent_out() {
+        // Fresh pages (a large vector is a mapping of its own) and pages written to.
+        let words = 3 << 18; // 6 MiB
+        let l = Landing::new(vec![0; words], words * 8).unwrap();
+        let mut p = l.part(4096..(2 << 20) + 5).unwrap();
+        p.as_mut_slice().fill(9);
+        assert!(l.populate(0..words * 8));
+        assert!(l.populate(17..4099));
+        assert!(!l.populate(0..words * 8 + 1), "outside");
+        p.as_mut_slice()[..3].copy_from_slice(&[1, 2, 3]);
+        drop(p);
+        let bytes: Vec<u8> = Landing::into_words(l).unwrap().iter().flat_map(|w| w.to_ne_bytes()).collect();
+        assert!(bytes[..4096].iter().all(|&b| b == 0));
+        assert_eq!(&bytes[4096..4099], &[1, 2, 3]);
+        assert!(bytes[4099..(2 << 20) + 5].iter().all(|&b| b == 9));
+        assert!(bytes[(2 << 20) + 5..].iter().all(|&b| b == 0));
     }
 }

@@ -38,7 +38,7 @@ pub mod window;
 pub use config::TransportConfig;
 pub use error::{AuthError, FrameError, TransportError};
 pub use ids::{Context, JobId, JobKey, NodeId, Rank, Tag};
-pub use landing::{Landing, Part};
+pub use landing::{populate, Landing, Part};
 pub use matching::{Envelope, Landed, Mailbox, Pattern, SrcMatch, TagMatch};
 pub use transport::{
     bind, BoxFuture, Capabilities, Endpoint, EndpointAddr, PendingRecv, Received, Transport, TransportSetup,
