@@ -307,12 +307,14 @@ fn moves_over_tcp_recycle_old_pages_instead_of_faulting_fresh_ones() {
         assert_eq!(by_rank.len() as u64, ranks, "{text}");
         by_rank.into_iter().map(|(_, f, p)| (f, p)).collect()
     };
-    // rma and p2p recycle for both old ranks that stay (their targets choose when
-    // each overlap lands); the collective has an own overlap on rank 0 only.
+    // Every executor recycles for both old ranks that stay: in 4→2 rank 1 has no own
+    // overlap, so its old pages go under overlaps from members that leave; in 2→4 they
+    // go under rank 0's (in the collective, all of rank 0's segments for rank 1 wait).
     let cases = [
         ("rma", "4", "2", 2),
         ("rma", "2", "4", 2),
-        ("collective", "4", "2", 1),
+        ("collective", "4", "2", 2),
+        ("collective", "2", "4", 2),
         ("collective", "1", "4", 1),
         ("p2p", "4", "2", 2),
         ("p2p", "2", "4", 2),

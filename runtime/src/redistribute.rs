@@ -22,7 +22,8 @@
 //!   it, so that they go from round to round together ([`Move::sends_empty`]). A
 //!   round's segments are populated while the round before travels. Segments shrink
 //!   with the number of old ranks so that one round brings a member at most
-//!   [`ROUND_BUDGET`] bytes.
+//!   [`ROUND_BUDGET`] bytes. Segments a target holds back for recycled pages (below)
+//!   travel after the rounds, once the target says so.
 //! - [`Method::Rma`]: each source exposes its old block as a window (a local
 //!   registration) and tells each of its targets the window's id; each target reads
 //!   its overlaps straight into its new block (`get_into`: the backend writes the bytes
@@ -57,14 +58,14 @@
 //! populates them in its own copies (`Capabilities::populates`). Where pages are
 //! recycled (`Capabilities::releases_windows`: tcp), every executor instead moves the
 //! whole pages of a member's own overlap from its old block into its new one, in a
-//! blocking move, once the transport has let go of the old block
-//! (the collective's [`Move::own_in_place`], the one-sided executor's
-//! `recycled_reads`, the point-to-point executor's `recycle_sent`). The executors
-//! whose targets choose when each overlap lands go further: a one-sided target reads,
-//! and a point-to-point target grants, the last pieces from members that leave or come
-//! before it only once its old block's other pages can move under them too (`p2p.rs`).
-//! Over tcp, p2p went from 2.94 to 3.37 GB/s in 4→2 with it, 2.94 to 3.10 in 8→2 and
-//! 3.38 to 3.60 in 2→4 (medians of 5 alternating jobs).
+//! blocking move, once the transport has let go of the old block, and the old block's
+//! other pages under the last pieces from members that leave or come before it, which
+//! land only then: a one-sided target reads them then (`recycled_reads`), a
+//! point-to-point target grants them then (`recycle_sent`, `p2p.rs`), and a collective
+//! target tells their sources, in its notice, to hold them back until it says so
+//! (`collective.rs`). Over tcp, p2p went from 2.94 to 3.37 GB/s in 4→2 with it, 2.94 to
+//! 3.10 in 8→2 and 3.38 to 3.60 in 2→4 (medians of 5 alternating jobs); the collective
+//! from 2.95 to 3.74 in 4→2, 2.40 to 2.93 in 8→2 and 2.81 to 2.96 in 4→1 (medians of 7).
 //!
 //! A move in the background is paced ([`Pacer`]): one segment in flight per target, and
 //! a pause after each so that the move keeps the processes busy only a share of the
@@ -88,6 +89,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use tokio::sync::oneshot;
 
+mod collective;
 mod p2p;
 mod rma;
 
@@ -303,219 +305,15 @@ impl Move<'_> {
         }
     }
 
-    /// The old block and the new block's phase, if the own overlap can be moved into
-    /// the new block with its pages (see [`Move::own_in_place`]): both blocks are
+    /// The old block and the new block's phase, if the old block's pages can move into
+    /// the new block (see [`Move::recycle_sent`]), the own overlap's and, for the
+    /// executors that hold segments back for them, the others: both blocks are
     /// mappings of their own, in a blocking move.
     fn in_place(&self, pages: Option<Arc<Aligned>>, new: &Aligned) -> Option<(Arc<Aligned>, usize)> {
         let phase = new.pages().map(Anon::phase).filter(|_| self.share.is_none())?;
         pages.filter(|p| p.pages().is_some()).map(|p| (p, phase))
     }
-
-    /// Moves the whole pages of the own overlap (`own`: its part of the new block, its
-    /// byte range there, and its byte range in the old block) from the old block into
-    /// the new one, whose mapping starts its bytes at the phase given, and copies its
-    /// ends: no fresh page and no copy for the rest (see [`crate::anon`]). Called once
-    /// this member's sends are done. A send is done once the transport has queued it,
-    /// so the transport may still hold parts of the old block until the peers read
-    /// them, which they do whatever this member does: it waits for that, up to
-    /// [`SENT_WAIT`], and copies the overlap if the transport still holds the block
-    /// then. Returns the ranges of the new block's mapping that are kernel mappings of
-    /// their own now.
-    async fn own_in_place(
-        &self,
-        in_place: Option<(Arc<Aligned>, usize)>,
-        own: Option<(Part, Range<usize>, Range<usize>)>,
-    ) -> Result<Vec<Range<usize>>> {
-        let (Some((pages, phase)), Some((mut part, range, from))) = (in_place, own) else {
-            return Ok(Vec::new());
-        };
-        if range.len() != from.len() || part.len() != range.len() {
-            return Err(plan_error("own overlap of different sizes"));
-        }
-        match reclaim(pages, SENT_WAIT).await {
-            Ok(mut old) => Ok(move_own(&mut old, &mut part, (&range, phase), from.start)?.0),
-            Err(shared) => {
-                tracing::debug!("copying an own overlap: the transport still holds the old block");
-                crate::block::fill(part.as_mut_slice(), &shared.bytes()[from]);
-                Ok(Vec::new())
-            }
-        }
-    }
-
-    /// Whether member `from` sends member `to` a block in a round even without a
-    /// segment for it, so that they go from round to round together. Members with old
-    /// blocks keep in step where peers share memory: unpaced, the members that leave
-    /// all copy into one target at once (without rounds, fabric shm 4→1 ran at 2.67
-    /// GB/s against 3.07), and in a paced move, where member 0 paces them all. Over a
-    /// socket the receiver's flow control paces each sender, and keeping in step only
-    /// waits on the slowest member (over tcp without rounds, medians of 7 alternating
-    /// jobs, GB/s: 8→2 2.46 against 2.33, 2→8 3.14 against 2.91, 4→2 and 4→1 the same).
-    /// A member that joined has nothing to send; waiting for its empty blocks every
-    /// round would only hold the others back (against empty blocks from every member
-    /// every round: over fabric shm 2→8 3.40 against 3.07 and 2→4 3.55 against 3.17).
-    fn sends_empty(&self, from: usize, to: usize) -> bool {
-        let old = |m: usize| m < self.old_n as usize;
-        let lockstep = self.share.is_some() || self.t.shares_memory();
-        lockstep && old(from) && old(to)
-    }
-
-    /// Posts this member's receives of collective round `round`: each segment into its
-    /// place in the new block (`landing`), and the empty blocks it expects
-    /// ([`Move::sends_empty`]). `inc` are the segments from each member.
-    fn post_round<'a>(
-        &'a self,
-        round: usize,
-        landing: Option<&Arc<Landing>>,
-        inc: &[Vec<Range<usize>>],
-    ) -> Result<Vec<BoxFuture<'a, Result<()>>>> {
-        let (t, me) = (self.t, self.t.rank());
-        let mut recvs: Vec<BoxFuture<'a, Result<()>>> = Vec::with_capacity(inc.len());
-        for src in (0..inc.len()).filter(|&s| s != me) {
-            match (landing, inc[src].get(round)) {
-                (Some(l), Some(seg)) => {
-                    let part = l.part(seg.clone()).ok_or_else(|| plan_error("overlapping segments"))?;
-                    let landed = t.post_in_place(src, self.tag, part)?;
-                    recvs.push(Box::pin(async move { landed.await.map(drop) }));
-                }
-                (_, None) if !self.sends_empty(src, me) => {}
-                _ => recvs.push(self.expect_empty(src)?),
-            }
-        }
-        Ok(recvs)
-    }
-
-    /// Posts a receive of an empty block from member `src`.
-    fn expect_empty(&self, src: usize) -> Result<BoxFuture<'_, Result<()>>> {
-        let empty = self.t.post_tagged(src, self.tag)?;
-        Ok(Box::pin(async move {
-            let (b, _) = empty.await?;
-            if b.is_empty() {
-                Ok(())
-            } else {
-                Err(plan_error(&format!("{} unexpected bytes from member {src}", b.len())))
-            }
-        }))
-    }
-
-    /// The collective's segment length, and the segments this member sends to and
-    /// receives from each member, in round order.
-    fn round_segments(&self) -> (usize, PerMember, PerMember) {
-        let size = self.t.size();
-        // A member receives from at most every old rank in a round.
-        let seg_len = (ROUND_BUDGET / self.old_n.max(1) as usize).clamp(MIN_ROUND_SEGMENT, SEGMENT);
-        let mut out: PerMember = vec![Vec::new(); size];
-        for (k, range) in self.sends() {
-            out[k] = segments(range, seg_len).collect();
-        }
-        let mut inc: PerMember = vec![Vec::new(); size];
-        if let Some(plan) = self.drain() {
-            for (src, range) in self.receives(&plan) {
-                inc[src] = segments(range, seg_len).collect();
-            }
-        }
-        (seg_len, out, inc)
-    }
-
-    async fn collective(&self, old: Bytes, pages: Option<Arc<Aligned>>, mut new: Option<&mut Aligned>) -> Result<()> {
-        let (t, size, me) = (self.t, self.t.size(), self.t.rank());
-        let (seg_len, out, inc) = self.round_segments();
-        let in_place = new.as_deref().and_then(|block| self.in_place(pages, block));
-        // Incoming segments land straight in the new block.
-        let landing = new.as_deref_mut().map(|block| std::mem::take(block).into_landing());
-        // Every member runs the same number of rounds, known without asking: enough for
-        // the largest overlap there can be, which is no larger than the largest block.
-        let largest = |n: u32| self.global.div_ceil(u64::from(n.max(1)));
-        let rounds = segments(0..self.bytes(largest(self.old_n).min(largest(self.new_n))), seg_len).count();
-        // A member tells each member that feeds it once all its receives are posted, and
-        // a member sends a target its first segment only once told: a segment that came
-        // earlier would land in a buffer of its own and be copied again. The notices come
-        // first from each member, so they are posted first. (8→2 over tcp: 36597 page
-        // faults for rank 1's 33746 new pages before, 33827 after.)
-        let mut ready: Vec<Option<BoxFuture<'_, Result<()>>>> = (0..size)
-            .map(|d| (d != me && !out[d].is_empty()).then(|| self.expect_empty(d)).transpose())
-            .collect::<Result<_>>()?;
-        // Every round's receives are posted before anything is sent, in round order: a
-        // member's blocks arrive in round order, so each lands in its own receive.
-        let posted = (0..rounds).map(|r| self.post_round(r, landing.as_ref(), &inc)).collect::<Result<Vec<_>>>()?;
-        // Each round's segments from others are populated ([`Move::prepare`]) while the
-        // round before travels, round 0's before the notices: populating the whole block
-        // first kept the senders waiting (8→2 over tcp: 45-58 ms for the two targets).
-        // A paced move populates the whole block first: populating round by round, a
-        // background 2→4 over tcp slowed the solver by ω 1.43 against 1.17 (medians of 5
-        // alternating jobs).
-        let paced = Pacer::new(self.share).paced();
-        let populate = |round: usize| {
-            if let (Some(l), true) = (&landing, self.populating()) {
-                for seg in (0..size).filter(|&s| s != me).filter_map(|s| inc[s].get(round)) {
-                    l.populate(seg.clone());
-                }
-            }
-        };
-        (0..if paced { rounds } else { 1 }).for_each(populate);
-        let mut notices: Vec<_> = (0..size)
-            .filter(|&src| src != me && !inc[src].is_empty())
-            .map(|src| t.send_tagged(src, self.tag, Bytes::new()))
-            .collect();
-        // Rounds hold every member back to the slowest, so one member paces them all.
-        // (If every member paced, each would count the others' pauses as its own work
-        // and pause longer, round after round.)
-        let mut pacer = Pacer::new(self.share.filter(|_| me == 0));
-        for (round, recvs) in posted.into_iter().enumerate() {
-            if round > 0 {
-                pacer.segment_done().await;
-            }
-            let block = |d: usize| out[d].get(round).map_or_else(Bytes::new, |r| old.slice(r.clone()));
-            let sends = (1..size)
-                .map(|k| (me + k) % size)
-                .filter(|&d| out[d].get(round).is_some() || self.sends_empty(me, d))
-                .map(|d| {
-                    let ready = if round == 0 { ready[d].take() } else { None };
-                    async move {
-                        if let Some(ready) = ready {
-                            ready.await?;
-                        }
-                        t.send_tagged(d, self.tag, block(d)).await
-                    }
-                })
-                .collect::<Vec<_>>();
-            // The own segment is copied while the others travel (or moved in at the end).
-            let own = async {
-                if !paced {
-                    populate(round + 1);
-                }
-                if let (Some(l), Some(seg), None) = (&landing, inc[me].get(round), &in_place) {
-                    let mut part = l.part(seg.clone()).ok_or_else(|| plan_error("overlapping segments"))?;
-                    crate::block::fill(part.as_mut_slice(), &block(me));
-                }
-                Ok(())
-            };
-            let notices = std::mem::take(&mut notices);
-            try_join3(try_join_all(sends), try_join(try_join_all(recvs), try_join_all(notices)), own).await?;
-        }
-        drop(old);
-        let mut moved = Vec::new();
-        if let (Some(l), Some(_)) = (&landing, &in_place) {
-            let own_new = inc[me].first().zip(inc[me].last()).map(|(a, b)| a.start..b.end);
-            let own_old = out[me].first().zip(out[me].last()).map(|(a, b)| a.start..b.end);
-            match (own_new, own_old) {
-                (Some(range), Some(from)) => {
-                    let part = l.part(range.clone()).ok_or_else(|| plan_error("overlapping segments"))?;
-                    moved = self.own_in_place(in_place, Some((part, range, from))).await?;
-                }
-                (None, None) => {}
-                _ => return Err(plan_error("own overlap on one side only")),
-            }
-        }
-        if let (Some(block), Some(l)) = (new, landing) {
-            *block = Aligned::from_landing(l).ok_or_else(|| plan_error("a receive still holds the block"))?;
-            block.moved_in(&moved);
-        }
-        Ok(())
-    }
 }
-
-/// The collective's segments from or to each member of the transition group.
-type PerMember = Vec<Vec<Range<usize>>>;
 
 /// How long a one-sided target waits for the transport to drop its last reference to
 /// the old block (a reply being written when the last reader's notice came) before it
@@ -527,7 +325,8 @@ const RECLAIM_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
 /// overlap instead of moving its pages. The peers read what is queued whatever this
 /// member does, and the change ends only once they have, so waiting costs the change
 /// nothing, unless the transport holds the block for longer: then the segments a
-/// point-to-point target held back for the block's pages wait that long too.
+/// point-to-point or collective target held back for the block's pages wait that long
+/// too.
 const SENT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The old block to itself, once no one else holds it (or back after `limit`).

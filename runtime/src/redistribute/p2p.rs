@@ -17,11 +17,11 @@ use super::*;
 
 /// The segments a target receives from each source, in the order the source sends
 /// them.
-type Incoming = Vec<(usize, Vec<Range<usize>>)>;
+pub(super) type Incoming = Vec<(usize, Vec<Range<usize>>)>;
 
 /// The own overlap's part of the new block, its range there, and its range in the old
 /// block.
-type Own = (Part, Range<usize>, Range<usize>);
+pub(super) type Own = (Part, Range<usize>, Range<usize>);
 
 impl Move<'_> {
     pub(super) async fn p2p(&self, old: Bytes, pages: Option<Arc<Aligned>>, new: Option<&mut Aligned>) -> Result<()> {
@@ -183,7 +183,13 @@ impl Move<'_> {
     /// last ones of each source that leaves or comes before this member, while the
     /// whole pages of the old block that its own overlap (`own`) does not cover last.
     /// `phase` is where the new block's mapping starts its bytes.
-    fn hold_back(&self, now: &mut Incoming, old: &Arc<Aligned>, phase: usize, own: Option<&Own>) -> Incoming {
+    pub(super) fn hold_back(
+        &self,
+        now: &mut Incoming,
+        old: &Arc<Aligned>,
+        phase: usize,
+        own: Option<&Own>,
+    ) -> Incoming {
         let Some(pages) = old.pages() else { return Vec::new() };
         let mut spare: usize =
             spare_pages(pages, own.map(|(_, _, from)| from)).iter().map(ExactSizeIterator::len).sum();
@@ -210,11 +216,13 @@ impl Move<'_> {
     /// Once this member's sends are done: moves the old block's pages into the new one
     /// (`landing`, whose mapping starts its bytes at the phase given with the old
     /// block): the own overlap's (`own`) with their bytes, then the rest under the
-    /// ranges of the segments held back (`held`, one per source). Where the transport still holds the old block
-    /// after [`SENT_WAIT`] (see [`Move::own_in_place`]), the own overlap is copied and
-    /// the segments get fresh pages. Returns the ranges of the new block's mapping that
-    /// hold moved pages.
-    async fn recycle_sent(
+    /// ranges of the segments held back (`held`, one per source). A send is done once
+    /// the transport has queued it, so the transport may still hold parts of the old
+    /// block until the peers read them, which they do whatever this member does: it
+    /// waits for that, up to [`SENT_WAIT`]; if the transport still holds the block then,
+    /// the own overlap is copied and the segments get fresh pages. Returns the ranges of
+    /// the new block's mapping that hold moved pages. Used by the collective too.
+    pub(super) async fn recycle_sent(
         &self,
         in_place: Option<(Arc<Aligned>, usize)>,
         own: Option<Own>,
