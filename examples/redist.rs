@@ -31,8 +31,9 @@ struct Args {
     /// Fault injection: this rank registers one more element of "odd" than the others.
     #[arg(long, value_name = "RANK")]
     mismatch: Option<usize>,
-    /// Background checkpoints; "odd" and "large" are registered constant, so under
-    /// `ductile run --background` they move while the processes keep checkpointing.
+    /// Background checkpoints; every item but "bytes" is registered constant ("empty"
+    /// and "tiny" too, whose blocks are empty on some ranks), so under `ductile run
+    /// --background` they move while the processes keep checkpointing.
     #[arg(long)]
     background: bool,
     /// Check at every change that this process's peak memory grew by at most the new
@@ -153,8 +154,8 @@ fn register(s: &mut Session, args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Registers one item: by its own method with `--per-item`, constant if it is "odd"
-/// or "large" with `--background`.
+/// Registers one item: by its own method with `--per-item`, constant with
+/// `--background` unless it is "bytes" (which then moves at the switch).
 fn add<T: ductile::bytemuck::Pod>(
     s: &mut Session,
     args: &Args,
@@ -163,12 +164,24 @@ fn add<T: ductile::bytemuck::Pod>(
     block: &[T],
     method: Method,
 ) -> anyhow::Result<()> {
-    let constant = args.background && (name == "odd" || name == "large");
+    let constant = args.background && name != "bytes";
     match (constant, args.per_item) {
         (true, true) => s.distribute_constant_by(name, global, block, method)?,
         (true, false) => s.distribute_constant(name, global, block)?,
         (false, true) => s.distribute_by(name, global, block, method)?,
         (false, false) => s.distribute(name, global, block)?,
+    }
+    Ok(())
+}
+
+/// Checks that every item moved by its own method (`--per-item`) or else the job's.
+fn check_methods(s: &Session, args: &Args) -> anyhow::Result<()> {
+    for (k, (name, _)) in item_names(args).into_iter().enumerate() {
+        let want = if args.per_item { Method::ALL[k % Method::ALL.len()] } else { s.redistribution() };
+        match s.moved_by(name)? {
+            Some(by) if by == want => {}
+            by => bail!("{name}: moved by {by:?}, expected {want}"),
+        }
     }
     Ok(())
 }
@@ -204,6 +217,7 @@ fn main() -> anyhow::Result<()> {
     let mut s = ductile::init()?;
     if s.joined().is_some() {
         verify(&s, &args).context("a joining process checks its blocks")?;
+        check_methods(&s, &args)?;
     } else {
         register(&mut s, &args)?;
     }
@@ -236,6 +250,7 @@ fn main() -> anyhow::Result<()> {
             Checkpoint::Resized(r) => {
                 verify(&s, &args)
                     .with_context(|| format!("after change {} ({} -> {})", r.seq, r.old_size, r.new_size))?;
+                check_methods(&s, &args)?;
                 if args.report_faults {
                     let (rank, pages) = (s.world().rank(), held_bytes(&s, &args)? / 4096);
                     println!("redist: change {}: rank {rank} took {faults} faults for {pages} pages", s.epoch());

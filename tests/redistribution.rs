@@ -363,6 +363,46 @@ fn a_source_dying_during_a_background_move_fails_the_job_naming_it() {
 }
 
 #[test]
+fn a_source_dying_in_the_middle_of_any_move_fails_the_job_naming_it() {
+    // Old rank 3 of 4 leaves in a shrink to 2 and aborts 2 ms into its move of "large"
+    // (64 MiB), blocking or in the background, whichever executor moves it.
+    for method in ["collective", "p2p", "rma"] {
+        for background in [false, true] {
+            let case = format!("{method}{}", if background { " in the background" } else { "" });
+            let report = tmp(&format!("redist-dies-{method}-{background}.json"));
+            let prog = ex("redist");
+            let mut args = vec!["run", "--timeout", "120", "--report", report.to_str().unwrap(), "-n", "4"];
+            args.extend(["--slots", "1", "--max-nodes", "4", "--policy", "steps:2", "--redistribution", method]);
+            args.extend(["--transport", "tcp"]);
+            let mut prog_args = vec![prog.as_str(), "--large", "8000000"];
+            if background {
+                args.push("--background");
+                prog_args.push("--background");
+            }
+            args.push("--");
+            args.extend(prog_args);
+            let started = std::time::Instant::now();
+            let out = ductile(&args).env("DUCTILE_TEST_DIE_IN_MOVE", "3").output().expect("start ductile");
+            let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            assert!(stderr.contains("member 3 aborts in the middle of a move"), "{case}: {stderr}");
+            // SIGABRT: 128 + 6, reported with the rank that died.
+            assert_eq!(out.status.code(), Some(134), "{case}: {stderr}");
+            // "rank 3 on node 3 ...", or "process 3 (released), while leaving in a shrink,
+            // on node 3 ..." once the change has released it.
+            assert!(
+                stderr.contains(" 3 on node 3 was killed by signal 6")
+                    || stderr
+                        .contains("process 3 (released), while leaving in a shrink, on node 3 was killed by signal 6"),
+                "{case}: {stderr}"
+            );
+            assert!(!stdout.contains("data intact"), "{case}: a change was reported complete: {stdout}");
+            assert!(started.elapsed() < std::time::Duration::from_secs(60), "{case}: took {:?}", started.elapsed());
+            assert_no_survivors(&report);
+        }
+    }
+}
+
+#[test]
 fn waits_that_never_spin_still_move_large_blocks() {
     // DUCTILE_SPIN_US=0: every blocking wait parks at once, so the rest of a large send
     // that its own thread could not write must be handed to the progress tasks (it

@@ -68,10 +68,13 @@ pub(crate) struct Registry {
     /// Old blocks of constant items moving in the background: shared with the moves
     /// (no copy) and still readable by the application, not writable.
     moving: Vec<Option<Bytes>>,
+    /// How each distributed entry's data moved at its last change (`None`: not yet).
+    moved_by: Vec<Option<Method>>,
 }
 
-/// New blocks of the constant items a background move produced, by entry index.
-pub(crate) type Moved = Vec<(usize, Aligned)>;
+/// New blocks of the constant items a background move produced, by entry index, with
+/// the method that moved them.
+pub(crate) type Moved = Vec<(usize, Aligned, Method)>;
 
 /// How a distributed item moves and where its blocks live.
 #[derive(Clone, Copy, Debug, Default)]
@@ -162,6 +165,7 @@ impl Registry {
         let bytes = bytemuck::cast_slice(block);
         self.blocks.push(Aligned::placed_from(place, bytes, want.start * elem as u64));
         self.moving.push(None);
+        self.moved_by.push(None);
         Ok(())
     }
 
@@ -175,6 +179,7 @@ impl Registry {
                 self.entries.push(Entry { name: name.to_owned(), kind: Kind::Replicated { value } });
                 self.blocks.push(Aligned::default());
                 self.moving.push(None);
+                self.moved_by.push(None);
             }
         }
         Ok(())
@@ -218,6 +223,16 @@ impl Registry {
         Ok(bytemuck::cast_slice_mut(self.blocks[i].bytes_mut()))
     }
 
+    /// How distributed item `name`'s data moved at its last change; `None` before its
+    /// first.
+    pub(crate) fn moved_by(&self, name: &str) -> Result<Option<Method>> {
+        let i = self.find(name)?;
+        match &self.entries[i].kind {
+            Kind::Distributed { .. } => Ok(self.moved_by[i]),
+            Kind::Replicated { .. } => Err(Error::Invalid(format!("{name:?} is replicated state, not distributed"))),
+        }
+    }
+
     /// Whether any constant distributed item is registered.
     pub(crate) fn has_constant(&self) -> bool {
         self.entries.iter().any(|e| matches!(e.kind, Kind::Distributed { constant: true, .. }))
@@ -236,6 +251,7 @@ impl Registry {
         self.entries.remove(i);
         self.blocks.remove(i);
         self.moving.remove(i);
+        self.moved_by.remove(i);
         Ok(())
     }
 
@@ -249,6 +265,7 @@ impl Registry {
         if joined {
             self.blocks = vec![Aligned::default(); m.0.len()];
             self.moving = vec![None; m.0.len()];
+            self.moved_by = vec![None; m.0.len()];
             self.entries = m.0;
             return Ok(());
         }
@@ -313,7 +330,9 @@ impl Registry {
             } else {
                 Old { bytes: Bytes::from_owner(block), runs, pages: None }
             };
-            self.blocks[i] = plan.run(t, i, global, elem, own.unwrap_or(method), old).await?;
+            let by = own.unwrap_or(method);
+            self.blocks[i] = plan.run(t, i, global, elem, by, old).await?;
+            self.moved_by[i] = Some(by);
         }
         Ok(())
     }
@@ -346,7 +365,7 @@ impl Registry {
         async move {
             let mut moved = Vec::with_capacity(work.len());
             for (i, global, elem, method, old) in work {
-                moved.push((i, plan.run(&t, i, global, elem, method, old).await?));
+                moved.push((i, plan.run(&t, i, global, elem, method, old).await?, method));
             }
             Ok(moved)
         }
@@ -354,9 +373,10 @@ impl Registry {
 
     /// Installs the new blocks of a finished background move.
     pub(crate) fn install(&mut self, moved: Moved) {
-        for (i, block) in moved {
+        for (i, block, by) in moved {
             self.blocks[i] = block;
             self.moving[i] = None;
+            self.moved_by[i] = Some(by);
         }
     }
 
@@ -442,9 +462,31 @@ impl Plan {
             let len = usize::try_from((r.end - r.start) * elem).unwrap_or(usize::MAX);
             Aligned::placed(place, len, r.start * elem)
         });
-        mv.run(method, old.bytes, old.pages, block.as_mut()).await?;
+        let moving = mv.run(method, old.bytes, old.pages, block.as_mut());
+        if dies_in_move(t.rank()) {
+            tokio::pin!(moving);
+            tokio::select! {
+                moved = &mut moving => moved?,
+                () = tokio::time::sleep(std::time::Duration::from_millis(2)) => {
+                    eprintln!("ductile: member {} aborts in the middle of a move ({DIE_IN_MOVE_ENV})", t.rank());
+                    std::process::abort();
+                }
+            }
+        } else {
+            moving.await?;
+        }
         Ok(block.unwrap_or_default())
     }
+}
+
+/// Testing knob: the transition member it names aborts 2 ms into the first move of an
+/// item that lasts that long, so that the tests can check that a process dying in the
+/// middle of any executor's move fails the job, naming it, instead of hanging.
+const DIE_IN_MOVE_ENV: &str = "DUCTILE_TEST_DIE_IN_MOVE";
+
+fn dies_in_move(member: usize) -> bool {
+    static DIES: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *DIES.get_or_init(|| std::env::var(DIE_IN_MOVE_ENV).ok()?.parse().ok()) == Some(member)
 }
 
 #[cfg(test)]

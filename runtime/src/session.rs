@@ -956,6 +956,19 @@ impl Session {
         self.method
     }
 
+    /// How a distributed item's data moved at its last change: by the method it was
+    /// registered with, else the job's; `None` before its first change (or, for a
+    /// process that joined, before the one that brought it its block). A constant
+    /// item moving in the background counts once its change completes.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// No such item, or it is replicated state.
+    pub fn moved_by(&self, name: &str) -> Result<Option<Method>> {
+        self.registry.moved_by(name)
+    }
+
     /// This rank's block of a distributed item.
     ///
     /// # Local
