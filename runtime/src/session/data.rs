@@ -1,0 +1,185 @@
+//! The registry's side of a [`Session`]: registering data, reading its blocks, and how
+//! it moved.
+
+use super::Session;
+use crate::block::Place;
+use crate::error::Result;
+use crate::redistribute::Method;
+use crate::registry::How;
+use bytemuck::Pod;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+impl Session {
+    /// Registers distributed data: a global array of `global_len` elements of which
+    /// this rank holds `block`, its part under the block rule. Every change moves it.
+    ///
+    /// # Local
+    /// Every rank registers the same items in the same order (checked at the next
+    /// change).
+    ///
+    /// # Errors
+    /// The name is taken, the block is not this rank's size, or the element type's
+    /// alignment is above 8.
+    pub fn distribute<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T]) -> Result<()> {
+        let part = (self.world.rank() as u32, self.world.size() as u32);
+        let how = How { method: None, constant: false, place: self.place_of(None) };
+        self.registry.distribute(name, global_len, part, block, how)
+    }
+
+    /// Registers distributed data that always moves by `method`, whatever the job's
+    /// `--redistribution`; otherwise as [`Session::distribute`].
+    ///
+    /// # Local
+    /// Every rank registers the same items, with the same methods, in the same order.
+    ///
+    /// # Errors
+    /// As [`Session::distribute`].
+    pub fn distribute_by<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T], method: Method) -> Result<()> {
+        let part = (self.world.rank() as u32, self.world.size() as u32);
+        let how = How { method: Some(method), constant: false, place: self.place_of(Some(method)) };
+        self.registry.distribute(name, global_len, part, block, how)
+    }
+
+    /// Registers distributed data that the application does not change (a matrix,
+    /// coefficients, a mesh): as [`Session::distribute`], and with `ductile run
+    /// --background` it moves while the application computes on at background
+    /// checkpoints. Writing its block while it moves is an error.
+    ///
+    /// # Local
+    /// As [`Session::distribute`].
+    ///
+    /// # Errors
+    /// As [`Session::distribute`].
+    pub fn distribute_constant<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T]) -> Result<()> {
+        let part = (self.world.rank() as u32, self.world.size() as u32);
+        let how = How { method: None, constant: true, place: self.place_of(None) };
+        self.registry.distribute(name, global_len, part, block, how)
+    }
+
+    /// [`Session::distribute_constant`] with its own method.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// As [`Session::distribute`].
+    pub fn distribute_constant_by<T: Pod>(
+        &mut self,
+        name: &str,
+        global_len: u64,
+        block: &[T],
+        method: Method,
+    ) -> Result<()> {
+        let part = (self.world.rank() as u32, self.world.size() as u32);
+        let how = How { method: Some(method), constant: true, place: self.place_of(Some(method)) };
+        self.registry.distribute(name, global_len, part, block, how)
+    }
+
+    /// Where the blocks of an item moved by `method` (the job's if `None`) live: where
+    /// one-sided moves can hand their pages over (see [`crate::pages`]), or where moves
+    /// can recycle them (see [`crate::anon`]), else on the heap.
+    fn place_of(&self, method: Option<Method>) -> Place {
+        let caps = self.endpoint.transport().capabilities();
+        let rma = method.unwrap_or(self.method) == Method::Rma;
+        if rma && caps.shares_memory && crate::pages::handover() {
+            Place::Files
+        } else if crate::anon::recycling(&caps) {
+            Place::Pages
+        } else {
+            Place::Heap
+        }
+    }
+
+    /// Whether constant items are moving in the background (the change completes at a
+    /// later checkpoint).
+    ///
+    /// # Local
+    #[must_use]
+    pub fn moving(&self) -> bool {
+        self.moving.is_some()
+    }
+
+    /// How registered data moves at a change unless an item says otherwise (the job's
+    /// `--redistribution`).
+    ///
+    /// # Local
+    #[must_use]
+    pub fn redistribution(&self) -> Method {
+        self.method
+    }
+
+    /// How a distributed item's data moved at its last change: by the method it was
+    /// registered with, else the job's; `None` before its first change (or, for a
+    /// process that joined, before the one that brought it its block). A constant
+    /// item moving in the background counts once its change completes.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// No such item, or it is replicated state.
+    pub fn moved_by(&self, name: &str) -> Result<Option<Method>> {
+        self.registry.moved_by(name)
+    }
+
+    /// This rank's block of a distributed item.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// No such item, or it holds another type.
+    pub fn block<T: Pod>(&self, name: &str) -> Result<&[T]> {
+        self.registry.block(name)
+    }
+
+    /// This rank's block of a distributed item, writable.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// No such item, or it holds another type.
+    pub fn block_mut<T: Pod>(&mut self, name: &str) -> Result<&mut [T]> {
+        self.registry.block_mut(name)
+    }
+
+    /// The global range of elements this rank holds of a distributed item.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// No such item.
+    pub fn block_range(&self, name: &str) -> Result<std::ops::Range<u64>> {
+        let n = self.registry.global_len(name)?;
+        Ok(ductile_redistrib::block_range(n, self.world.size() as u32, self.world.rank() as u32))
+    }
+
+    /// Registers or updates replicated state (the same on every rank, e.g. the iteration
+    /// counter); a process that joins receives rank 0's value.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// The value does not encode, or the name is a distributed item.
+    pub fn replicate<S: Serialize>(&mut self, name: &str, value: &S) -> Result<()> {
+        self.registry.replicate(name, value)
+    }
+
+    /// Replicated state by name.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// No such item, or it does not decode as `S`.
+    pub fn replicated<S: DeserializeOwned>(&self, name: &str) -> Result<S> {
+        self.registry.replicated(name)
+    }
+
+    /// Removes a registered item.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// No such item.
+    pub fn unregister(&mut self, name: &str) -> Result<()> {
+        self.registry.unregister(name)
+    }
+}
