@@ -40,6 +40,11 @@ struct Args {
     /// blocks it receives plus 64 MiB (no whole-array copies). Linux only.
     #[arg(long)]
     check_memory: bool,
+    /// With `--background`: once constant items move, wait on the move's handle until
+    /// this process's part has ended, then complete the change with a blocking
+    /// checkpoint.
+    #[arg(long)]
+    wait_move: bool,
     /// After every change, rank 0 says in how many shared-memory files its block of
     /// "large" lies (blocks whose pages were handed over between processes lie in
     /// several; see `DUCTILE_PAGE_HANDOVER`). Linux only.
@@ -223,10 +228,11 @@ fn main() -> anyhow::Result<()> {
     }
     let mut overlapped = 0u64;
     let mut worst = 0u64;
+    let mut waited = None;
     while s.epoch() < args.changes {
         let mark = if args.check_memory && !s.moving() { Some(memory_mark()?) } else { None };
         let faults = if args.report_faults { minor_faults()? } else { 0 };
-        let cp = if args.background { s.checkpoint_background()? } else { s.checkpoint()? };
+        let cp = if args.background && waited.is_none() { s.checkpoint_background()? } else { s.checkpoint()? };
         let faults = if args.report_faults { minor_faults()? - faults } else { 0 };
         if let (Some(rss0), Checkpoint::Resized(_) | Checkpoint::Released(_)) = (mark, &cp) {
             let extra = (status_kib("VmHWM")? << 10).saturating_sub(rss0);
@@ -244,6 +250,18 @@ fn main() -> anyhow::Result<()> {
             // The constant items are on their way; the old ones stay readable.
             verify(&s, &args).context("while constant items move")?;
             overlapped += 1;
+            if args.wait_move {
+                let h = s.background_move().context("constant items move, but there is no handle")?;
+                if !h.wait(std::time::Duration::from_secs(120)) {
+                    bail!("this process's part of the background move did not end within 120 s");
+                }
+                waited = Some(h);
+            }
+        } else if let Some(h) = waited.take() {
+            // The blocking checkpoint completed the change.
+            if s.background_move().is_some() || !h.test() {
+                bail!("a move handle still pending after its change completed");
+            }
         }
         match cp {
             Checkpoint::Released(_) => return Ok(s.finalize()?),

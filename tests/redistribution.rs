@@ -104,6 +104,12 @@ fn rma_in_the_background_moves_every_element_for_every_size_pair() {
 }
 
 #[test]
+fn waiting_on_a_background_moves_handle_then_checkpointing_completes_each_change() {
+    // Every process waits on its part's handle, then calls a blocking checkpoint.
+    check_every_pair_in_background("collective", &["--wait-move"]);
+}
+
+#[test]
 fn items_moved_by_their_own_methods_in_the_background() {
     check_every_pair_in_background("p2p", &["--per-item"]);
 }

@@ -48,5 +48,5 @@ pub use group::{AsyncGroup, Group, Status};
 pub use pset::ProcessSet;
 pub use redistribute::Method;
 pub use reduce::{ReduceOp, Reducible};
-pub use session::{init, Checkpoint, JobInfo, Resize, Session};
+pub use session::{init, Checkpoint, JobInfo, MoveHandle, Resize, Session};
 pub use {bytemuck, bytes};

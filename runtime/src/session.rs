@@ -19,7 +19,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
+mod background;
 mod data;
+
+pub use background::MoveHandle;
+use background::Moving;
 
 /// Facts about the job this process belongs to.
 #[derive(Clone, Debug)]
@@ -71,17 +75,6 @@ pub struct Session {
     background_share: f64,
     /// A change whose constant items are moving in the background.
     moving: Option<Moving>,
-}
-
-/// A change under way whose constant items move in the background; the application
-/// computes on in the old group until every old rank has seen the move finish.
-struct Moving {
-    change: Change,
-    prep: Prepared,
-    task: tokio::task::JoinHandle<Result<crate::registry::Moved>>,
-    started: Instant,
-    /// When this process first saw the task finished.
-    seen_done: Option<Instant>,
 }
 
 /// A change after the transition group agreed on the registry, before data moves.
@@ -532,95 +525,6 @@ impl Session {
         }
     }
 
-    /// At a checkpoint while constant items move: every old rank says whether it has
-    /// seen its part finish; once all have, the change completes. A blocking
-    /// checkpoint waits for the move first.
-    fn poll_moving(&mut self, mode: CheckpointMode) -> Result<Checkpoint> {
-        let timeout = self.timeout;
-        let Some(m) = self.moving.as_mut() else { return Ok(Checkpoint::Unchanged) };
-        if mode == CheckpointMode::Blocking && !m.task.is_finished() {
-            let task = &m.task;
-            // Bounded by the world's timeout; an unfinished move is reported below.
-            let _ = self.world.block(async {
-                while !task.is_finished() {
-                    tokio::time::sleep(Duration::from_micros(200)).await;
-                }
-                Ok(())
-            });
-        }
-        if m.seen_done.is_none() && m.task.is_finished() {
-            m.seen_done = Some(Instant::now());
-        }
-        // [any still moving, any over its time]: every old rank goes on, waits or
-        // fails together.
-        let late = m.seen_done.is_none() && m.started.elapsed() > timeout;
-        let state = [u64::from(m.seen_done.is_none()), u64::from(late)];
-        match self.world.allreduce(&state, ReduceOp::Max) {
-            Ok(v) if v[1] > 0 => Err(self.drop_moving(Error::Reconfigure(format!(
-                "the background move of the change did not finish within {timeout:?}"
-            )))),
-            Ok(v) if v[0] > 0 => Ok(Checkpoint::Pending),
-            Ok(_) => match self.moving.take() {
-                Some(m) => self.complete_moving(m),
-                None => Ok(Checkpoint::Unchanged),
-            },
-            Err(e) => Err(self.drop_moving(e)),
-        }
-    }
-
-    /// Stops a background move: the constant items keep their old blocks.
-    fn drop_moving(&mut self, e: Error) -> Error {
-        if let Some(m) = self.moving.take() {
-            m.task.abort();
-        }
-        self.registry.abandon_background();
-        e
-    }
-
-    /// Waits for a background move (bounded by the group timeout), installs the new
-    /// blocks and completes its change.
-    fn complete_moving(&mut self, m: Moving) -> Result<Checkpoint> {
-        let Moving { change, prep, task, started, seen_done } = m;
-        let abort = task.abort_handle();
-        let moved = prep
-            .transition
-            .block(async { task.await.map_err(|e| Error::Reconfigure(format!("the background move stopped: {e}")))? });
-        let end = seen_done.unwrap_or_else(Instant::now);
-        // Every member learns whether any part of the move failed, so all fail naming
-        // it instead of waiting for a process that gave up.
-        let flag = if moved.is_err() { prep.tpos as u64 + 1 } else { 0 };
-        let failed = prep.transition.allreduce(&[flag], ReduceOp::Max).map(|v| v[0]);
-        if failed.as_ref().is_ok_and(|&f| f == ABANDONED) {
-            // The old processes finalized before the change could complete: this
-            // process was started for it only, and has nothing to do.
-            tracing::info!("{}: the application ended before the change it joined; exiting", self.endpoint.rank());
-            let t = self.endpoint.transport().clone();
-            let _ = prep.transition.block(async {
-                t.close().await;
-                Ok(())
-            });
-            std::process::exit(0);
-        }
-        let moved = match (moved, failed) {
-            (Ok(m), Ok(0)) => m,
-            (Err(e), _) | (Ok(_), Err(e)) => {
-                abort.abort();
-                self.registry.abandon_background();
-                return Err(e);
-            }
-            (Ok(_), Ok(k)) => {
-                self.registry.abandon_background();
-                return Err(Error::Reconfigure(format!(
-                    "the background move failed on {}; the change to epoch {} is abandoned",
-                    prep.members[k as usize - 1],
-                    change.after.epoch
-                )));
-            }
-        };
-        self.registry.install(moved);
-        self.complete_change(change, prep, Some((started, end)))
-    }
-
     /// Rank 0's side: asks the controller (once per change) and reads its answer.
     fn root_decision(&mut self, mode: CheckpointMode) -> Result<Decision> {
         let timeout = self.timeout;
@@ -677,8 +581,7 @@ impl Session {
             self.timeout,
         )?;
         let work = self.registry.start_background(g, prep.parts, &prep.new_pos, self.method, self.background_share);
-        let task = rt.spawn(work);
-        let m = Moving { change: c, prep, task, started: Instant::now(), seen_done: None };
+        let m = Moving::spawn(rt, c, prep, work);
         let old = m.prep.tpos < m.prep.parts.old_n as usize;
         if old && mode == CheckpointMode::Background {
             self.moving = Some(m);
@@ -884,10 +787,11 @@ impl Session {
             // finish (bounded by the timeout), then every member of the change learns
             // it is abandoned: processes started to join it exit, the old ones end
             // here with their old blocks.
-            let Moving { prep, task, .. } = m;
+            let Moving { prep, task, handle, .. } = m;
             let abort = task.abort_handle();
             let _ = prep.transition.block(async { task.await.map_err(|e| Error::Reconfigure(e.to_string())) });
             abort.abort();
+            handle.end();
             let _ = prep.transition.allreduce(&[ABANDONED], ReduceOp::Max);
             self.registry.abandon_background();
         }
