@@ -31,6 +31,9 @@ struct Args {
     /// Fault injection: this rank registers one more element of "odd" than the others.
     #[arg(long, value_name = "RANK")]
     mismatch: Option<usize>,
+    /// Fault injection: this rank registers "odd" as u64 instead of f64 (the same size).
+    #[arg(long, value_name = "RANK")]
+    mismatch_type: Option<usize>,
     /// Background checkpoints; every item but "bytes" is registered constant ("empty"
     /// and "tiny" too, whose blocks are empty on some ranks), so under `ductile run
     /// --background` they move while the processes keep checkpointing.
@@ -146,7 +149,7 @@ fn register(s: &mut Session, args: &Args) -> anyhow::Result<()> {
                 let block: Vec<u8> = range.map(|g| value(seed, g) as u8).collect();
                 add(s, args, name, global, &block, method)?;
             }
-            "odd" => {
+            "odd" if args.mismatch_type != Some(rank as usize) => {
                 let block: Vec<f64> = range.map(|g| f64::from_bits(value(seed, g))).collect();
                 add(s, args, name, global, &block, method)?;
             }

@@ -122,21 +122,24 @@ fn items_moved_by_their_own_methods_in_one_job() {
 
 #[test]
 fn mismatched_registrations_fail_every_rank_with_the_reason() {
-    let report = tmp("redist-mismatch.json");
-    let prog = ex("redist");
-    let args = ["run", "--timeout", "60", "--report", report.to_str().unwrap(), "-n", "3", "--max-nodes", "8"];
-    let mut all = args.to_vec();
-    all.extend(["--policy", "steps:2", "--", prog.as_str(), "--mismatch", "2"]);
-    let started = std::time::Instant::now();
-    let out = run(&all);
-    assert!(!out.status.success());
-    assert!(started.elapsed() < std::time::Duration::from_secs(30));
-    let err = String::from_utf8_lossy(&out.stderr);
-    // The rank that differs says how; the others name it instead of timing out.
-    assert!(err.contains("registered items differ from rank 0's: here ["), "{err}");
-    assert!(err.contains("odd: 1000004 x f64"), "{err}");
-    assert!(err.contains("the registered items of rank 2 differ from rank 0's"), "{err}");
-    assert_no_survivors(&report);
+    // One more element on rank 2, or another element type of the same size.
+    for (flag, differs) in [("--mismatch", "odd: 1000004 x f64"), ("--mismatch-type", "odd: 1000003 x u64")] {
+        let report = tmp("redist-mismatch.json");
+        let prog = ex("redist");
+        let args = ["run", "--timeout", "60", "--report", report.to_str().unwrap(), "-n", "3", "--max-nodes", "8"];
+        let mut all = args.to_vec();
+        all.extend(["--policy", "steps:2", "--", prog.as_str(), flag, "2"]);
+        let started = std::time::Instant::now();
+        let out = run(&all);
+        assert!(!out.status.success());
+        assert!(started.elapsed() < std::time::Duration::from_secs(30));
+        let err = String::from_utf8_lossy(&out.stderr);
+        // The rank that differs says how; the others name it instead of timing out.
+        assert!(err.contains("registered items differ from rank 0's: here ["), "{flag}: {err}");
+        assert!(err.contains(differs), "{flag}: {err}");
+        assert!(err.contains("the registered items of rank 2 differ from rank 0's"), "{flag}: {err}");
+        assert_no_survivors(&report);
+    }
 }
 
 /// 256 MiB moved 2 -> 4 -> 1 -> 8 -> 2: every process checks that its peak memory grew
