@@ -75,6 +75,47 @@ fn jacobi_resizes_and_rma_redistribution_over_every_transport() {
 }
 
 #[test]
+fn background_moves_and_jacobi_over_every_transport() {
+    let jacobi = ["--points", "50000", "--iters", "60", "--every", "10", "--table-mib", "8", "--background"];
+    let rigid = checksum(&job(&["--transport", "tcp"], &["-n", "2"], "jacobi", &jacobi, "t-rigid-bg.json"));
+    for t in transports() {
+        // Constant items move while the processes keep checkpointing, by every executor.
+        for method in ["rma", "p2p", "collective"] {
+            let mut opts = vec!["--nodes", "1", "--max-nodes", "8", "--policy", "steps:3,8,2", "--background"];
+            opts.extend(["--redistribution", method]);
+            let args = ["--background", "--changes", "3", "--large", "300000"];
+            let out = job(&t, &opts, "redist", &args, "t-redist-bg.json");
+            assert!(out.contains(&format!("redist: 3 changes by {method}, every element intact")), "{t:?}: {out}");
+        }
+        // The malleable jacobi with its matrix moving in the background.
+        let opts = ["--nodes", "1", "--slots", "2", "--max-nodes", "4", "--policy", "steps:4,2", "--background"];
+        let out = job(&t, &opts, "jacobi", &jacobi, "t-jacobi-bg.json");
+        assert_eq!(checksum(&out), rigid, "{t:?}: {out}");
+    }
+}
+
+#[test]
+fn an_unknown_fabric_provider_fails_at_start_naming_it() {
+    if !ductile_transport::transport::backends().contains(&"fabric") {
+        eprintln!("NOTE: this build has no fabric transport; the unknown-provider case is not run");
+        return;
+    }
+    let report = tmp("t-bogus.json");
+    let hello = ex("hello");
+    let args = ["run", "--timeout", "60", "--report", report.to_str().unwrap(), "-n", "2", "--nodes", "2"];
+    let mut all = args.to_vec();
+    all.extend(["--transport", "fabric", "--fabric-provider", "bogus", "--", hello.as_str()]);
+    let started = std::time::Instant::now();
+    let out = run(&all);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("fabric") && err.contains("\"bogus\""), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(30), "took {:?}", started.elapsed());
+    assert_no_survivors(&report);
+}
+
+#[test]
 fn ranks_that_exit_without_closing_leave_no_shm_regions() {
     // libfabric's shm provider unlinks an endpoint's /dev/shm region only when the
     // endpoint closes or a fatal signal reaches it: a rank that exits with its

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use ductile_transport::auth::Identity;
 use ductile_transport::matching::{Pattern, SrcMatch, TagMatch};
 use ductile_transport::{
-    bind, Context, Endpoint, JobId, JobKey, Landing, Mailbox, Rank, Tag, TransportConfig, TransportError,
+    bind, Context, Endpoint, EndpointAddr, JobId, JobKey, Landing, Mailbox, Rank, Tag, TransportConfig, TransportError,
     TransportSetup, WindowId,
 };
 use std::sync::Arc;
@@ -372,6 +372,22 @@ async fn gets_outside_a_window_are_refused_clearly(b: Backend) {
     close_all(&eps).await;
 }
 
+async fn addresses_that_do_not_parse_are_refused_naming_the_transport(b: Backend) {
+    let eps = b.job(2, 1);
+    let t = eps[0].transport();
+    let good = [t.local_addr(), eps[1].transport().local_addr()];
+    for junk in ["not an address", "300.0.0.1:1", "ofi:zz", "127.0.0.1:80#zz"] {
+        let err = t.set_peers(&[good[0].clone(), EndpointAddr(junk.into())]).unwrap_err();
+        assert!(matches!(err, TransportError::BadAddress { peer: Rank(1), .. }), "{} {junk}: {err}", b.name);
+        assert!(err.to_string().starts_with(b.name), "{} {junk}: {err}", b.name);
+    }
+    // The table in place is kept: messages still reach rank 1.
+    t.set_peers(&good).unwrap();
+    eps[0].send(Rank(1), Context(0), Tag(1), Bytes::from_static(b"still")).await.unwrap();
+    assert_eq!(eps[1].recv(from(0, 1), T).await.unwrap().payload, &b"still"[..]);
+    close_all(&eps).await;
+}
+
 async fn close_all(eps: &[Endpoint]) {
     for e in eps {
         e.transport().close().await;
@@ -408,6 +424,7 @@ macro_rules! conformance {
             case!(gets_land_in_place);
             case!(receives_land_in_place);
             case!(gets_outside_a_window_are_refused_clearly);
+            case!(addresses_that_do_not_parse_are_refused_naming_the_transport);
         }
     };
 }
