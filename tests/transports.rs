@@ -95,6 +95,33 @@ fn background_moves_and_jacobi_over_every_transport() {
 }
 
 #[test]
+fn a_rank_that_fails_ends_the_job_over_every_transport() {
+    // Rank 2 exits with code 3 while the others wait for a message from it; a shrink's
+    // released processes crash instead of leaving.
+    let prog = ex("fault");
+    for t in transports() {
+        for (opts, args, code) in [
+            (vec!["-n", "4", "--nodes", "2"], vec!["exit", "2", "3"], 3),
+            (vec!["-n", "4", "--slots", "1", "--max-nodes", "4", "--policy", "steps:2"], vec!["leave-crash", "5"], 5),
+        ] {
+            let report = tmp("t-fault.json");
+            let mut all = vec!["run", "--timeout", "60", "--report", report.to_str().unwrap()];
+            all.extend(&t);
+            all.extend(&opts);
+            all.push("--");
+            all.push(&prog);
+            all.extend(&args);
+            let started = std::time::Instant::now();
+            let out = run(&all);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(code), "{t:?} {args:?}: {err}");
+            assert!(started.elapsed() < std::time::Duration::from_secs(30), "{t:?} {args:?}: {:?}", started.elapsed());
+            assert_no_survivors(&report);
+        }
+    }
+}
+
+#[test]
 fn an_unknown_fabric_provider_fails_at_start_naming_it() {
     if !ductile_transport::transport::backends().contains(&"fabric") {
         eprintln!("NOTE: this build has no fabric transport; the unknown-provider case is not run");
