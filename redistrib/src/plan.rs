@@ -118,6 +118,32 @@ mod tests {
         m
     }
 
+    /// Brute force: where each other part's elements start in part `me` of `parts`'s
+    /// block (`None`: it gets none of them).
+    fn starts(items: u64, parts: u32, me: u32, others: u32) -> Vec<Option<u64>> {
+        let mine = block_range(items, parts, me);
+        let mut at = vec![None; others as usize];
+        for g in mine.clone() {
+            let o = block_owner(items, others, g).unwrap() as usize;
+            at[o] = at[o].or(Some(g - mine.start));
+        }
+        at
+    }
+
+    /// `displs` puts every other part with elements where brute force does, and the
+    /// touched range is tight: it starts and ends at parts with elements.
+    fn check_places(counts: &[u64], displs: &[u64], touched: &Range<u32>, at: &[Option<u64>], case: &str) {
+        assert_eq!(displs.len(), counts.len() + 1, "{case}");
+        for (o, start) in at.iter().enumerate() {
+            if let Some(start) = start {
+                assert_eq!(displs[o], *start, "{case}: part {o}");
+            }
+        }
+        if !touched.is_empty() {
+            assert!(counts[touched.start as usize] > 0 && counts[touched.end as usize - 1] > 0, "{case}");
+        }
+    }
+
     fn check(items: u64, ns: u32, nt: u32) {
         let m = brute(items, ns, nt);
         for d in 0..nt {
@@ -129,6 +155,8 @@ mod tests {
                 let inside = p.sources.contains(&s);
                 assert!(inside || p.counts[s as usize] == 0, "N={items} NS={ns} NT={nt} drain {d} source {s}");
             }
+            let case = format!("N={items} NS={ns} NT={nt} drain {d}");
+            check_places(&p.counts, &p.displs, &p.sources, &starts(items, nt, d, ns), &case);
             if let Some(&c) = p.counts.get(p.sources.start as usize).filter(|_| !p.sources.is_empty()) {
                 assert!(c > 0);
                 let first = block_range(items, ns, p.sources.start);
@@ -137,7 +165,13 @@ mod tests {
         }
         for s in 0..ns {
             let p = source_plan(items, ns, nt, s);
-            assert_eq!(p.counts, m[s as usize], "N={items} NS={ns} NT={nt} source {s}");
+            let case = format!("N={items} NS={ns} NT={nt} source {s}");
+            assert_eq!(p.counts, m[s as usize], "{case}");
+            assert_eq!(*p.displs.last().unwrap(), block_range(items, ns, s).end - block_range(items, ns, s).start);
+            for t in 0..nt {
+                assert!(p.targets.contains(&t) || p.counts[t as usize] == 0, "{case} target {t}");
+            }
+            check_places(&p.counts, &p.displs, &p.targets, &starts(items, ns, s, nt), &case);
         }
     }
 
