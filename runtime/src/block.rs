@@ -1,4 +1,4 @@
-//! Memory for registered blocks: 8-byte aligned bytes.
+//! Memory for registered blocks: bytes aligned to a cache line (64 bytes).
 //!
 //! A block a change brings is written once into memory no one has touched, so every
 //! 4 KiB page costs a fault; on this project's VM filling fresh memory runs at about
@@ -17,7 +17,9 @@ use ductile_transport::Landing;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-/// Bytes with 8-byte alignment: on the heap, in a mapping of their own whose pages a
+/// Bytes aligned for any element of a registered item (at least [`LINE`] bytes
+/// whatever the element, or the element's own alignment in a mapping, where a block
+/// starts at its global byte offset within a page): on the heap, in a mapping of their own whose pages a
 /// move may recycle ([`crate::anon`]), or in a shared-memory file whose pages a move may
 /// hand over to another process ([`crate::pages`]).
 #[derive(Debug, Default)]
@@ -28,7 +30,7 @@ pub(crate) struct Aligned {
 
 #[derive(Debug)]
 enum Store {
-    Words(Vec<u64>),
+    Words(Vec<Line>),
     Anon(Anon),
     Mapped(Mapping),
 }
@@ -46,6 +48,17 @@ pub(crate) enum Place {
     /// ([`crate::pages`]).
     Files,
 }
+
+/// Alignment of blocks on the heap: a cache line, as for `#[repr(align(64))]` element
+/// types (and so for `u128` and SIMD vectors).
+pub(crate) const LINE: usize = 64;
+
+/// One cache line of a heap block.
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C, align(64))]
+struct Line([u64; LINE / 8]);
+
+const _: () = assert!(std::mem::align_of::<Line>() == LINE && std::mem::size_of::<Line>() == LINE);
 
 impl Default for Store {
     fn default() -> Self {
@@ -88,7 +101,7 @@ impl Aligned {
     /// `len` zero bytes. With `DUCTILE_HUGE_PAGES=1`, a large block's memory gets
     /// transparent huge pages when the kernel has them free (see [`advise_huge`]).
     pub(crate) fn zeroed(len: usize) -> Self {
-        let mut a = Self { store: Store::Words(vec![0u64; len.div_ceil(8)]), len };
+        let mut a = Self { store: Store::Words(vec![Line([0; LINE / 8]); len.div_ceil(LINE)]), len };
         if len >= HUGE_MIN && HUGE_PAGES.load(Ordering::Relaxed) {
             advise_huge(a.bytes_mut());
         }
@@ -152,7 +165,7 @@ impl Aligned {
 
     pub(crate) fn bytes(&self) -> &[u8] {
         match &self.store {
-            Store::Words(w) => &bytemuck::cast_slice::<u64, u8>(w)[..self.len],
+            Store::Words(w) => &bytemuck::cast_slice::<Line, u8>(w)[..self.len],
             Store::Anon(m) => m.bytes(),
             Store::Mapped(m) => m.bytes(),
         }
@@ -160,7 +173,7 @@ impl Aligned {
 
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         match &mut self.store {
-            Store::Words(w) => &mut bytemuck::cast_slice_mut::<u64, u8>(w)[..self.len],
+            Store::Words(w) => &mut bytemuck::cast_slice_mut::<Line, u8>(w)[..self.len],
             Store::Anon(m) => m.bytes_mut(),
             Store::Mapped(m) => m.bytes_mut(),
         }

@@ -8,8 +8,9 @@
 //! distributed item is moved from the old blocks to the new ones; a process that joined
 //! finds the items under their names.
 //!
-//! Blocks are stored 8-byte aligned, so element types of alignment up to 8 (all the
-//! integer and float types and structs of them) can be viewed in place.
+//! Blocks are stored aligned to a cache line on the heap (and to their element in
+//! mappings), so element types of alignment up to 64 (all the integer and float types,
+//! `u128`, SIMD vectors and structs of them) can be viewed in place.
 
 use crate::block::{Aligned, Place, Shared};
 use crate::error::{Error, Result};
@@ -24,8 +25,10 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
-/// Largest element alignment a distributed item may have.
-pub const MAX_ALIGN: usize = 8;
+/// Largest element alignment a distributed item may have: a cache line (heap blocks
+/// are aligned so; blocks in mappings start at their global byte offset within a page,
+/// a multiple of the element's size and so of its alignment).
+pub const MAX_ALIGN: usize = crate::block::LINE;
 
 /// Runtime tags of redistribution messages (one per item index, low 24 bits).
 const REGISTRY_TAG: u32 = Tag::RESERVED_BASE | (0x20 << 24);
@@ -208,7 +211,7 @@ impl Registry {
     pub(crate) fn block<T: Pod>(&self, name: &str) -> Result<&[T]> {
         let i = self.typed::<T>(name)?;
         let bytes = self.moving[i].as_deref().unwrap_or_else(|| self.blocks[i].bytes());
-        // Heap blocks start 8-byte aligned; blocks in mappings start at the array's byte
+        // Heap blocks start cache-line aligned; blocks in mappings start at the array's byte
         // offset within a page, a multiple of the element's size and so of its alignment.
         bytemuck::try_cast_slice(bytes).map_err(|e| Error::Invalid(format!("{name:?}: {e}")))
     }
@@ -511,6 +514,32 @@ mod tests {
         assert_eq!(r.global_len("u").unwrap(), 10);
         r.unregister("u").unwrap();
         assert!(r.block::<f64>("u").is_err());
+    }
+
+    #[test]
+    fn elements_aligned_up_to_a_cache_line_are_viewed_in_place_and_beyond_refused() {
+        #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+        #[repr(C, align(64))]
+        struct Line([f64; 8]);
+        #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+        #[repr(C, align(128))]
+        struct Wide([u64; 16]);
+        let mut r = Registry::default();
+        let wide = [u128::MAX - 1, 2, 3];
+        r.distribute::<u128>("wide", 6, (1, 2), &wide, How::default()).unwrap();
+        assert_eq!(r.block::<u128>("wide").unwrap(), &wide);
+        // Large enough to live in mappings (where they may), starting 128 bytes into a
+        // page: rank 1 of 2 holds lines 524290.. of 1048580.
+        let lines: Vec<Line> = (0..524_290).map(|k| Line([f64::from(k); 8])).collect();
+        for place in [Place::Heap, Place::Pages, Place::Files] {
+            let name = format!("lines {place:?}");
+            r.distribute::<Line>(&name, 1_048_580, (1, 2), &lines, How { place, ..How::default() }).unwrap();
+            assert_eq!(r.block::<Line>(&name).unwrap(), &lines, "{place:?}");
+            r.block_mut::<Line>(&name).unwrap()[1].0[7] = 9.0;
+            assert_eq!(r.block::<Line>(&name).unwrap()[1].0[7], 9.0, "{place:?}");
+        }
+        let err = r.distribute::<Wide>("too wide", 1, (0, 1), &[Wide([0; 16])], How::default()).unwrap_err();
+        assert!(err.to_string().contains("alignment 128"), "{err}");
     }
 
     #[test]

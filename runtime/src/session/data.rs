@@ -20,7 +20,7 @@ impl Session {
     ///
     /// # Errors
     /// The name is taken, the block is not this rank's size, or the element type's
-    /// alignment is above 8.
+    /// alignment is above 64 (a cache line).
     pub fn distribute<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T]) -> Result<()> {
         let part = (self.world.rank() as u32, self.world.size() as u32);
         let how = How { method: None, constant: false, place: self.place_of(None) };
