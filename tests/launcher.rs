@@ -81,7 +81,10 @@ fn bad_command_lines_get_one_clear_line() {
         (&["run", "--nodes", "0", "--", "true"], "--nodes must be at least 1"),
         (&["run", "-n", "2", "--nodes", "3", "--", "true"], "3 nodes need at least 3 ranks"),
         (&["run", "-n", "x", "--", "true"], "invalid value 'x'"),
-        (&["run", "--timeout", "0", "--", "true"], "--timeout must be at least 1"),
+        (&["run", "--timeout", "0", "--", "true"], "invalid value '0' for '--timeout <SECS>': 0 is not in 1..="),
+        (&["run", "--timeout", "18446744073709551615", "--", "true"], "is not in 1..=31622400"),
+        (&["run", "--spawn", "foo", "--", "true"], "[possible values: parallel, single] (see ductile run --help)"),
+        (&["resize", "--nodes", "2"], "required arguments were not provided: <JOB>"),
         (&["run", "-n", "2", "--hostfile", "hosts", "true"], "unknown option --hostfile"),
         (&["run", "--report", "/nonexistent-dir/r.json", "--", "true"], "/nonexistent-dir is not a directory"),
         (&["run", "--report", "/tmp", "--", "true"], "cannot write the report to /tmp: it is a directory"),
@@ -115,11 +118,21 @@ fn bad_command_lines_get_one_clear_line() {
 
 #[test]
 fn a_program_that_is_not_a_ductile_program_fails_cleanly() {
+    // Past --join-timeout: the late ranks are named.
     let report = tmp("notductile.json");
-    let out = run(&["run", "-n", "2", "--timeout", "5", "--report", report.to_str().unwrap(), "--", "sleep", "30"]);
+    let r = report.to_str().unwrap();
+    let started = Instant::now();
+    let out = run(&["run", "-n", "2", "--join-timeout", "2", "--timeout", "60", "--report", r, "--", "sleep", "30"]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("did not join the job within"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    assert_no_survivors(&report);
+    // A --timeout shorter than the join limit ends the job as a timeout, at once.
+    let started = Instant::now();
+    let out = run(&["run", "-n", "2", "--timeout", "2", "--report", r, "--", "sleep", "30"]);
+    assert_eq!(out.status.code(), Some(124), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
     assert_no_survivors(&report);
 }
 

@@ -34,6 +34,9 @@ use tokio::task::JoinHandle;
 
 /// Time ranks get between SIGTERM and SIGKILL when a node world is ended.
 pub const KILL_GRACE: Duration = Duration::from_secs(2);
+/// How long a rank whose control channel ended before it joined is given to be seen
+/// exiting, so that its exit is reported rather than the channel.
+const EXIT_AFTER_EOF: Duration = Duration::from_secs(1);
 /// Time allowed to drain a rank's output after it exited.
 const DRAIN: Duration = Duration::from_secs(2);
 /// Testing knob: delays this agent's relay of every switch report by as many
@@ -118,6 +121,7 @@ pub async fn run() -> anyhow::Result<()> {
         start_growth(&h, j.spawns.clone(), Dest::Spawner, &grown_tx);
         growing += 1;
     }
+    let mut up = reader(up_rx);
     let report = spawner.as_mut().unwrap_or(&mut up_tx);
     let mut world = match start_ranks(&h).await {
         Ok(w) => w,
@@ -127,7 +131,8 @@ pub async fn run() -> anyhow::Result<()> {
             return Ok(());
         }
     };
-    let started = match await_ready(&h, &mut world, report).await {
+    let mut early = Vec::new();
+    let started = match await_ready(&h, &mut world, report, (&mut up, &mut early)).await {
         Ok(s) => s,
         Err(e) => {
             end_ranks(&mut world).await;
@@ -142,9 +147,24 @@ pub async fn run() -> anyhow::Result<()> {
         settle(&h, growing, &mut grown_rx).await;
         return Err(e.into());
     }
+    if !early.is_empty() {
+        // Messages that came while the ranks joined go first.
+        let (tx, rx) = mpsc::unbounded_channel();
+        for m in early {
+            let _ = tx.send(Ok(m));
+        }
+        tokio::spawn(async move {
+            while let Some(m) = up.recv().await {
+                if tx.send(m).is_err() {
+                    return;
+                }
+            }
+        });
+        up = rx;
+    }
     let own = NodeStarted { node: h.node, agent_pid: std::process::id(), ranks: started };
     let mut sup = Supervisor { h, up_tx, spawner, own, grown_tx, growing };
-    sup.supervise(&mut world, reader(up_rx), grown_rx).await
+    sup.supervise(&mut world, up, grown_rx).await
 }
 
 /// A joining node world that cannot go on waits (at most the join timeout) for the growth
@@ -243,11 +263,14 @@ async fn start_rank(
     Ok(())
 }
 
-/// Waits for every rank's address (reporting exits on the way).
+/// Waits for every rank's address (reporting exits on the way), and gives up at once
+/// if the job ends meanwhile (an abort or a lost connection on `up`; other messages
+/// from there are kept in `early`).
 async fn await_ready(
     h: &AgentHandoff,
     world: &mut NodeWorld,
     report: &mut OwnedWriteHalf,
+    (up, early): (&mut mpsc::UnboundedReceiver<Result<ToAgent, String>>, &mut Vec<ToAgent>),
 ) -> anyhow::Result<Vec<RankStarted>> {
     // The controller sets this a little shorter than its own limit, so that the
     // precise reason (which rank did not join) is what the user sees.
@@ -255,11 +278,20 @@ async fn await_ready(
     let mut started = Vec::with_capacity(world.readers.len());
     for (id, r) in &mut world.readers {
         let id = *id;
-        let ready = tokio::select! {
-            r = tokio::time::timeout(t, nonblocking::read_msg::<FromRank>(r)) => r,
-            Some((r, exit)) = world.exits.recv() => {
-                nonblocking::write_msg(report, &FromAgent::RankExited { rank: r, exit }).await?;
-                bail!("{r} {exit} before joining the job");
+        // One read for the whole wait: a read dropped half-way would lose a frame.
+        let read = tokio::time::timeout(t, nonblocking::read_msg::<FromRank>(r));
+        tokio::pin!(read);
+        let ready = loop {
+            tokio::select! {
+                r = &mut read => break r,
+                Some((r, exit)) = world.exits.recv() => {
+                    nonblocking::write_msg(report, &FromAgent::RankExited { rank: r, exit }).await?;
+                    bail!("{r} {exit} before joining the job");
+                }
+                m = up.recv() => match m {
+                    Some(Ok(ToAgent::Abort)) | Some(Err(_)) | None => bail!("the job ended while its ranks joined"),
+                    Some(Ok(other)) => early.push(other),
+                },
             }
         };
         match ready {
@@ -268,7 +300,15 @@ async fn await_ready(
             }
             Ok(Ok(FromRank::Failed { reason })) => bail!("{id} cannot join the job: {reason}"),
             Ok(Ok(other)) => bail!("{id} sent {other:?} before joining"),
-            Ok(Err(e)) => bail!("{id} did not join the job (is it a ductile program?): {e}"),
+            Ok(Err(e)) => {
+                // The control channel ends when the process does: its exit, if it comes
+                // soon, says more (its code is the job's) than the broken channel.
+                if let Ok(Some((r, exit))) = tokio::time::timeout(EXIT_AFTER_EOF, world.exits.recv()).await {
+                    nonblocking::write_msg(report, &FromAgent::RankExited { rank: r, exit }).await?;
+                    bail!("{r} {exit} before joining the job");
+                }
+                bail!("{id} did not join the job (is it a ductile program?): {e}")
+            }
             Err(_) => bail!("{id} did not join the job within {t:?}"),
         }
     }

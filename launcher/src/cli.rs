@@ -9,6 +9,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+/// Most seconds an option of seconds takes: a year (deadlines computed from it stay
+/// far from the clock's limits).
+pub const MAX_SECS: u64 = 366 * 24 * 3600;
+
 /// ductile: run malleable parallel programs.
 #[derive(Debug, Parser)]
 #[command(name = "ductile", version, about)]
@@ -71,8 +75,12 @@ pub struct RunArgs {
     #[arg(long)]
     pub tag_output: bool,
     /// End the job after this many seconds (exit code 124); waits inside ranks are bounded by it too (plus 10 s).
-    #[arg(long, value_name = "SECS")]
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..=MAX_SECS))]
     pub timeout: Option<u64>,
+    /// Seconds ranks may take to start and call `ductile::init` (at start-up and when a
+    /// resize adds processes) before the job ends naming the late ones.
+    #[arg(long, value_name = "SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=MAX_SECS))]
+    pub join_timeout: u64,
     /// Write a JSON report of the job here.
     #[arg(long, value_name = "FILE.json")]
     pub report: Option<PathBuf>,
@@ -151,7 +159,7 @@ pub struct ResizeArgs {
     #[arg(long)]
     pub procs: Option<u32>,
     /// Seconds to wait for the job to carry it out.
-    #[arg(long, value_name = "SECS", default_value_t = 60)]
+    #[arg(long, value_name = "SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=MAX_SECS))]
     pub wait: u64,
 }
 
@@ -251,9 +259,6 @@ impl RunArgs {
         }
         let mut command = self.command.into_iter();
         let program = command.next().ok_or("no program given (usage: ductile run [OPTIONS] -- PROGRAM [ARGS...])")?;
-        if self.timeout == Some(0) {
-            return Err("--timeout must be at least 1 second".into());
-        }
         if let Some(path) = &self.report {
             check_report_path(path)?;
         }
@@ -278,6 +283,7 @@ impl RunArgs {
             args: command.collect(),
             tag_output: self.tag_output,
             timeout: self.timeout.map(Duration::from_secs),
+            join_timeout: Duration::from_secs(self.join_timeout),
             transport: ductile::bootstrap::TransportSpec {
                 name: self.transport,
                 fabric_provider: self.fabric_provider,

@@ -15,6 +15,31 @@ fn exit(code: i32) -> ExitCode {
     ExitCode::from(u8::try_from(code.clamp(0, 255)).unwrap_or(1))
 }
 
+/// A clap error on one line: its message and details (missing arguments, possible
+/// values, tips), without the usage and the pointer to `--help`.
+fn one_line(text: &str) -> String {
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| !l.is_empty())
+        .collect();
+    let joined = lines.join(" ").trim_start_matches("error: ").to_string();
+    if joined.is_empty() {
+        "bad arguments".into()
+    } else {
+        joined
+    }
+}
+
+/// `ductile` or `ductile <subcommand>`, for the pointer to `--help`.
+fn command_name() -> String {
+    match std::env::args().nth(1).as_deref() {
+        Some(sub @ ("run" | "resize")) => format!("ductile {sub}"),
+        _ => "ductile".into(),
+    }
+}
+
 fn main() -> ExitCode {
     let filter = tracing_subscriber_filter();
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
@@ -24,10 +49,12 @@ fn main() -> ExitCode {
             let _ = e.print();
             return ExitCode::SUCCESS;
         }
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            return ExitCode::from(2);
+        }
         Err(e) => {
-            let text = e.to_string();
-            let first = text.lines().next().unwrap_or("bad arguments").trim_start_matches("error: ");
-            ductile_launcher::say_errln!("ductile: {first} (see ductile --help)");
+            ductile_launcher::say_errln!("ductile: {} (see {} --help)", one_line(&e.to_string()), command_name());
             return ExitCode::from(2);
         }
     };

@@ -112,6 +112,7 @@ pub(crate) fn send_vectored_nonblocking(fd: RawFd, bufs: &[std::io::IoSlice<'_>]
 /// The MTU of the local route to `peer` as the kernel knows it (`IP_MTU` on a connected
 /// UDP socket; nothing is sent): 65536 on loopback, 65520 on IPoIB in connected mode,
 /// 9000 on a jumbo-frame link. None where the kernel cannot tell.
+#[cfg(any(feature = "quic", test))]
 pub(crate) fn route_mtu(peer: std::net::SocketAddr) -> Option<u32> {
     use std::net::{Ipv4Addr, Ipv6Addr, UdpSocket};
     use std::os::fd::AsRawFd;
@@ -133,6 +134,7 @@ pub(crate) fn route_mtu(peer: std::net::SocketAddr) -> Option<u32> {
 /// Asks for socket buffers of `bytes` each way: past `net.core.rmem_max`/`wmem_max` if
 /// the process may (`SO_RCVBUFFORCE`, root), else capped there by the kernel. A refusal
 /// leaves the defaults.
+#[cfg(any(feature = "quic", test))]
 pub(crate) fn set_socket_buffers(fd: RawFd, bytes: usize) {
     let v = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
     let set = |opt| {

@@ -30,8 +30,15 @@ use tokio::sync::mpsc;
 pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(300);
 /// How much longer than `--timeout` the waits inside ranks are bounded.
 pub const WAIT_MARGIN: Duration = Duration::from_secs(10);
-/// Longest time the start-up fence, or the start of new node worlds, may take.
-pub const MAX_FENCE: Duration = Duration::from_secs(60);
+/// How much shorter than the controller's join limit (`--join-timeout`) an agent waits
+/// for its ranks to join, so that the precise reason (which rank did not join) is what
+/// the user sees: a fifth of it, at most this.
+const AGENT_JOIN_MARGIN: Duration = Duration::from_secs(5);
+
+/// An agent's limit for its ranks to join, within the controller's `fence`.
+fn agent_join_limit(fence: Duration) -> Duration {
+    fence - (fence / 5).min(AGENT_JOIN_MARGIN)
+}
 /// Time agents get to end their node worlds before their process groups are killed.
 pub const ABORT_GRACE: Duration = Duration::from_secs(5);
 /// Exit code when `--timeout` ends the job.
@@ -64,6 +71,8 @@ pub struct JobSpec {
     pub tag_output: bool,
     /// Wall-clock limit of the job.
     pub timeout: Option<Duration>,
+    /// How long ranks may take to join (at start-up and in a growth).
+    pub join_timeout: Duration,
     /// Transport backend and its settings.
     pub transport: ductile::bootstrap::TransportSpec,
     /// Where to write the JSON report.
@@ -211,7 +220,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     // Ranks' waits outlast the job's own limit a little, so that when --timeout ends
     // the job, the controller's message (not a rank's timeout) says why.
     let wait_timeout = spec.timeout.map_or(DEFAULT_WAIT_TIMEOUT, |t| t + WAIT_MARGIN);
-    let fence_limit = spec.timeout.unwrap_or(DEFAULT_WAIT_TIMEOUT).min(MAX_FENCE);
+    let fence_limit = spec.join_timeout;
     let (ev_tx, mut events) = mpsc::unbounded_channel();
     let (arr_tx, mut arrivals) = mpsc::unbounded_channel();
     let (socket, answering) = socket::serve(job, arr_tx)?;
@@ -285,7 +294,7 @@ impl Ctl {
             redistribution: self.spec.redistribution,
             background: self.spec.background,
             timeout_ms: u64::try_from(self.wait_timeout.as_millis()).unwrap_or(u64::MAX),
-            join_timeout_ms: u64::try_from(self.fence_limit.as_millis()).unwrap_or(u64::MAX) / 5 * 4,
+            join_timeout_ms: u64::try_from(agent_join_limit(self.fence_limit).as_millis()).unwrap_or(u64::MAX),
             tag_output: self.spec.tag_output,
             socket: self.socket.to_string_lossy().into_owned(),
             joining: None,
