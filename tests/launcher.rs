@@ -128,6 +128,14 @@ fn a_program_that_is_not_a_ductile_program_fails_cleanly() {
     assert!(err.contains("did not join the job within"), "{err}");
     assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
     assert_no_survivors(&report);
+    // A rank that exits (or dies) before it joins: the job ends with its code.
+    for (prog, code, says) in [("exit 7", 7, "exited with code 7"), ("kill -SEGV $$", 139, "was killed by signal 11")] {
+        let out = run(&["run", "-n", "2", "--timeout", "60", "--report", r, "--", "sh", "-c", prog]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{prog}: {err}");
+        assert!(err.contains(says), "{prog}: {err}");
+        assert_no_survivors(&report);
+    }
     // A --timeout shorter than the join limit ends the job as a timeout, at once.
     let started = Instant::now();
     let out = run(&["run", "-n", "2", "--timeout", "2", "--report", r, "--", "sleep", "30"]);
