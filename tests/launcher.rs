@@ -3,6 +3,7 @@
 mod common;
 
 use common::{assert_no_survivors, ductile, ex, run, tmp, wait_with_timeout};
+use nix::sys::signal::Signal;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -70,6 +71,25 @@ fn timeout_and_ctrl_c_end_the_whole_job() {
     let status = wait_with_timeout(&mut child, Duration::from_secs(20));
     assert_eq!(status.code(), Some(130));
     assert_no_survivors(&report);
+
+    // SIGHUP (the terminal closed) too; and a signal that comes while the agents are
+    // still starting ends the job as well, once they have.
+    for (signal, wait, code) in [(Signal::SIGHUP, 1500, 129), (Signal::SIGINT, 20, 130)] {
+        let report = tmp("signal.json");
+        let mut child = ductile(&["run", "-n", "16", "--nodes", "8", "--report", report.to_str().unwrap()])
+            .arg("--")
+            .arg(ex("fault"))
+            .arg("hang")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(wait));
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), signal).unwrap();
+        let status = wait_with_timeout(&mut child, Duration::from_secs(20));
+        assert_eq!(status.code(), Some(code), "{signal}");
+        assert_no_survivors(&report);
+    }
 }
 
 #[test]

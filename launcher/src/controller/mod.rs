@@ -183,6 +183,23 @@ fn watch(events: &mpsc::UnboundedSender<Event>, idx: usize, mut rx: OwnedReadHal
     });
 }
 
+/// The signals that end a job: Ctrl-C, SIGTERM, and SIGHUP (its terminal closed).
+struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        Ok(Self {
+            int: signal(SignalKind::interrupt())?,
+            term: signal(SignalKind::terminate())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+}
+
 /// Makes this process the reaper of orphaned descendants: agents started by other
 /// agents outlive their spawner when it is released, and must still be reaped here.
 fn become_subreaper() {
@@ -214,6 +231,10 @@ async fn reap_orphan(pid: u32, grace: Duration) {
 /// Failures of the launcher itself (random source, sockets, spawning an agent).
 pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     let started = Instant::now();
+    // Signals that end the job are caught from the start: one that came while the
+    // agents start ends the job once they have (the default action would leave them
+    // running, and the control socket behind).
+    let mut signals = Signals::new()?;
     become_subreaper();
     let job = JobId::random()?;
     let key = JobKey::random()?;
@@ -258,7 +279,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     if let Err(e) = result {
         ctl.ending = Some(Ending::Reconfig(format!("cannot start the job: {e:#}")));
     }
-    if let Err(e) = ctl.main_loop(&mut events).await {
+    if let Err(e) = ctl.main_loop(&mut events, &mut signals).await {
         // Still ended as a whole below: its agents told to abort, its socket and regions
         // removed.
         ctl.ending.get_or_insert(Ending::Reconfig(format!("the controller failed: {e:#}")));
@@ -369,9 +390,7 @@ impl Ctl {
         }
     }
 
-    async fn main_loop(&mut self, events: &mut mpsc::UnboundedReceiver<Event>) -> anyhow::Result<()> {
-        let mut sigint = signal(SignalKind::interrupt())?;
-        let mut sigterm = signal(SignalKind::terminate())?;
+    async fn main_loop(&mut self, events: &mut mpsc::UnboundedReceiver<Event>, sig: &mut Signals) -> anyhow::Result<()> {
         let job_deadline = self.spec.timeout.map(|t| tokio::time::Instant::now() + t);
         let fence_deadline = tokio::time::Instant::now() + self.fence_limit;
         let initial = self.agents.len();
@@ -403,8 +422,9 @@ impl Ctl {
                     Some(ev) => self.on_event(ev).await,
                     None => break,
                 },
-                _ = sigint.recv() => self.ending = Some(Ending::Signal(libc::SIGINT)),
-                _ = sigterm.recv() => self.ending = Some(Ending::Signal(libc::SIGTERM)),
+                _ = sig.int.recv() => self.ending = Some(Ending::Signal(libc::SIGINT)),
+                _ = sig.term.recv() => self.ending = Some(Ending::Signal(libc::SIGTERM)),
+                _ = sig.hup.recv() => self.ending = Some(Ending::Signal(libc::SIGHUP)),
                 () = sleep => {
                     let now = tokio::time::Instant::now();
                     if let (Some(d), Some(t)) = (job_deadline, self.spec.timeout) {
