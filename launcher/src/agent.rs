@@ -395,8 +395,11 @@ impl Supervisor {
             }
         })
         .await;
+        // All within one DRAIN: a rank's child that keeps its output open holds its
+        // forwarder to the end of it, and each one would add that again.
+        let deadline = tokio::time::Instant::now() + DRAIN;
         for f in world.forwarders.drain(..) {
-            let _ = tokio::time::timeout(DRAIN, f).await;
+            let _ = tokio::time::timeout_at(deadline, f).await;
         }
         let _ = nonblocking::write_msg(&mut self.up_tx, &FromAgent::Done).await;
         Ok(())

@@ -1,7 +1,7 @@
 //! Forwarding a rank's output, line by line, optionally prefixed with `[rank]`.
 
 use std::io::Write;
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, BufReader};
 
 /// Writes to a standard stream without ever panicking: the launcher's stdout or stderr
 /// may be a pipe whose reader has gone (`ductile run ... 2>&1 | head`), and a message it
@@ -40,15 +40,27 @@ pub enum Stream {
     Stderr,
 }
 
+/// Longest piece of a line held at once: a longer line (a binary dump, a progress bar
+/// redrawn with `\r`) goes out in pieces of this size, which other ranks' lines may
+/// then come between, instead of taking memory without bound.
+const MAX_PIECE: usize = 1 << 20;
+
 /// Copies `from` to the agent's `to` stream a line at a time (so lines of different
-/// ranks never interleave mid-line), with `prefix` before each line.
+/// ranks never interleave mid-line, unless longer than [`MAX_PIECE`]), with `prefix`
+/// before each line.
 pub async fn forward(from: impl AsyncRead + Unpin, prefix: Option<String>, to: Stream) {
     let mut reader = BufReader::new(from);
     let mut line = Vec::with_capacity(256);
+    let mut mid_line = false;
     loop {
         line.clear();
-        match reader.read_until(b'\n', &mut line).await {
-            Ok(0) => return,
+        match (&mut reader).take(MAX_PIECE as u64).read_until(b'\n', &mut line).await {
+            Ok(0) => {
+                if mid_line {
+                    let _ = write_to(to, b"\n");
+                }
+                return;
+            }
             Ok(_) => {}
             Err(e) => {
                 tracing::debug!("output forwarding stopped: {e}");
@@ -56,18 +68,24 @@ pub async fn forward(from: impl AsyncRead + Unpin, prefix: Option<String>, to: S
             }
         }
         let mut out = Vec::with_capacity(line.len() + 16);
-        if let Some(p) = &prefix {
+        if let Some(p) = prefix.as_ref().filter(|_| !mid_line) {
             out.extend_from_slice(p.as_bytes());
         }
         out.extend_from_slice(&line);
-        if !line.ends_with(b"\n") {
+        let whole = line.ends_with(b"\n");
+        if !whole && line.len() < MAX_PIECE {
             // The last line of a process that ended mid-line stays a line of its own.
             out.push(b'\n');
         }
+        mid_line = !whole && line.len() == MAX_PIECE;
         // A closed stdout (e.g. `| head`) must not stop the job; drop the output.
-        let _ = match to {
-            Stream::Stdout => std::io::stdout().lock().write_all(&out),
-            Stream::Stderr => std::io::stderr().lock().write_all(&out),
-        };
+        let _ = write_to(to, &out);
+    }
+}
+
+fn write_to(to: Stream, bytes: &[u8]) -> std::io::Result<()> {
+    match to {
+        Stream::Stdout => std::io::stdout().lock().write_all(bytes),
+        Stream::Stderr => std::io::stderr().lock().write_all(bytes),
     }
 }
