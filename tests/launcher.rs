@@ -137,6 +137,28 @@ fn bad_command_lines_get_one_clear_line() {
 }
 
 #[test]
+fn processes_that_leave_their_node_worlds_group_end_with_the_job() {
+    // A rank starts a child in a session of its own (out of its node world's process
+    // group) and says its pid; the job must not leave it running.
+    let report = tmp("setsid.json");
+    let pid_file = tmp("setsid.pid");
+    let _ = std::fs::remove_file(&pid_file);
+    let script =
+        format!("setsid sleep 300 >/dev/null 2>&1 </dev/null & echo $! > {}; exec {}", pid_file.display(), ex("hello"));
+    let out =
+        run(&["run", "-n", "1", "--timeout", "60", "--report", report.to_str().unwrap(), "--", "sh", "-c", &script]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+    let alive = std::path::Path::new(&format!("/proc/{pid}")).exists();
+    if alive {
+        // Ours (the test started the job that started it): end it before failing.
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+    }
+    assert!(!alive, "process {pid}, started by a rank with setsid, survived the job");
+    assert_no_survivors(&report);
+}
+
+#[test]
 fn a_program_that_is_not_a_ductile_program_fails_cleanly() {
     // Past --join-timeout: the late ranks are named.
     let report = tmp("notductile.json");

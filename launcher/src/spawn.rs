@@ -112,3 +112,49 @@ pub fn signal_group(pgid: u32, sig: i32) {
         }
     }
 }
+
+/// The pids of this process's children, from `/proc` (Linux).
+fn children() -> Vec<u32> {
+    let me = std::process::id();
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            // The parent is the second field after the command name's closing ')'.
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().is_some_and(|stat| {
+                stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
+                    == Some(me)
+            })
+        })
+        .collect()
+}
+
+/// Ends the processes a job left outside its node worlds' process groups (a rank's
+/// `setsid` child): once their parents have exited they are this process's children,
+/// as it is a subreaper, so they are the job's and no one else's. Kills and reaps
+/// them, and the children they leave in turn; returns how many there were.
+pub fn end_adopted() -> usize {
+    let mut ended = 0;
+    for _ in 0..ADOPTION_ROUNDS {
+        let left = children();
+        if left.is_empty() {
+            break;
+        }
+        for &pid in &left {
+            signal_pid(pid, libc::SIGKILL);
+        }
+        for &pid in &left {
+            if let Ok(p) = i32::try_from(pid) {
+                // SAFETY: waitpid on one child of ours, blocking: it was just killed.
+                unsafe {
+                    libc::waitpid(p, std::ptr::null_mut(), 0);
+                }
+            }
+        }
+        ended += left.len();
+    }
+    ended
+}
+
+/// Rounds of [`end_adopted`]: a killed orphan's own children are adopted in turn.
+const ADOPTION_ROUNDS: usize = 8;

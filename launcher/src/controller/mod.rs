@@ -390,7 +390,11 @@ impl Ctl {
         }
     }
 
-    async fn main_loop(&mut self, events: &mut mpsc::UnboundedReceiver<Event>, sig: &mut Signals) -> anyhow::Result<()> {
+    async fn main_loop(
+        &mut self,
+        events: &mut mpsc::UnboundedReceiver<Event>,
+        sig: &mut Signals,
+    ) -> anyhow::Result<()> {
         let job_deadline = self.spec.timeout.map(|t| tokio::time::Instant::now() + t);
         let fence_deadline = tokio::time::Instant::now() + self.fence_limit;
         let initial = self.agents.len();
@@ -561,6 +565,12 @@ impl Ctl {
         for a in &self.agents {
             // Sweep anything a rank left behind in its node's process group.
             signal_group(a.pid, libc::SIGKILL);
+        }
+        // And what left the groups (by `setsid`); every agent has been reaped, so
+        // whatever is still a child of ours is such a process.
+        let adopted = crate::spawn::end_adopted();
+        if adopted > 0 {
+            tracing::warn!("ended {adopted} processes the job's ranks left outside their node worlds");
         }
         if !self.done.is_empty() {
             crate::say_err!("ductile: reconfigurations of job {}:\n{}", self.job, report::table(&self.done));
