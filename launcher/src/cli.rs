@@ -247,8 +247,18 @@ impl RunArgs {
         if steps_max > max {
             return Err(format!("--policy asks for {steps_max} nodes, above --max-nodes {max}"));
         }
+        if self.min_nodes > max {
+            return Err(format!("--min-nodes {} is above --max-nodes {max}", self.min_nodes));
+        }
         if initial < self.min_nodes {
             return Err(format!("the job starts on {initial} nodes, below --min-nodes {}", self.min_nodes));
+        }
+        let steps_min = match &self.policy {
+            PolicySpec::Steps(s) => s.iter().copied().min(),
+            _ => None,
+        };
+        if let Some(low) = steps_min.filter(|&m| m < self.min_nodes) {
+            return Err(format!("--policy asks for {low} nodes, below --min-nodes {}", self.min_nodes));
         }
         let bounds = Bounds::new(self.min_nodes, max, self.preferred_nodes).map_err(|e| e.to_string())?;
         let slots: Vec<u32> = (0..max as usize)
@@ -256,6 +266,9 @@ impl RunArgs {
             .collect();
         if u64::from(max) * u64::from(slots.iter().copied().max().unwrap_or(1)) > u64::from(layout::MAX_RANKS) {
             return Err(format!("a pool of {max} nodes exceeds the limit of {} ranks", layout::MAX_RANKS));
+        }
+        if self.fabric_provider.is_some() && self.transport != "fabric" {
+            return Err(format!("--fabric-provider needs --transport fabric (this job's is {})", self.transport));
         }
         let mut command = self.command.into_iter();
         let program = command.next().ok_or("no program given (usage: ductile run [OPTIONS] -- PROGRAM [ARGS...])")?;
