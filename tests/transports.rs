@@ -142,6 +142,47 @@ fn an_unknown_fabric_provider_fails_at_start_naming_it() {
     assert_no_survivors(&report);
 }
 
+/// The children of process `parent`, from `/proc`.
+fn children_of(parent: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().is_some_and(|stat| {
+                stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok())
+                    == Some(parent)
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn a_killed_agent_leaves_no_ranks_and_no_shm_regions() {
+    // SIGKILL of a node's agent: its ranks, killed with its process group, die as the
+    // controller's children; their libfabric shm regions must still go.
+    if !ductile_transport::transport::backends().contains(&"fabric") {
+        eprintln!("NOTE: this build has no fabric transport: nothing to test");
+        return;
+    }
+    use std::io::BufRead;
+    let report = tmp("t-agent-killed.json");
+    let prog = ex("fault");
+    let mut args = vec!["run", "-n", "4", "--nodes", "2", "--timeout", "60", "--report", report.to_str().unwrap()];
+    args.extend(["--transport", "fabric", "--fabric-provider", "shm", "--", &prog, "hang"]);
+    let mut child = common::ductile(&args).stdout(std::process::Stdio::piped()).spawn().expect("start ductile");
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    for _ in 0..4 {
+        assert!(lines.next().unwrap().unwrap().contains("waiting"));
+    }
+    let agents = children_of(child.id());
+    assert_eq!(agents.len(), 2, "agents {agents:?}");
+    let last = *agents.iter().max().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(last as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let status = common::wait_with_timeout(&mut child, std::time::Duration::from_secs(30));
+    assert_eq!(status.code(), Some(1));
+    assert_no_survivors(&report);
+}
+
 #[test]
 fn ranks_that_exit_without_closing_leave_no_shm_regions() {
     // libfabric's shm provider unlinks an endpoint's /dev/shm region only when the

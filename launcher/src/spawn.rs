@@ -113,18 +113,20 @@ pub fn signal_group(pgid: u32, sig: i32) {
     }
 }
 
-/// The pids of this process's children, from `/proc` (Linux).
-fn children() -> Vec<u32> {
+/// This process's children, from `/proc` (Linux): each pid, and whether it is still
+/// running (not a zombie waiting to be reaped).
+fn children() -> Vec<(u32, bool)> {
     let me = std::process::id();
     let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
     dir.flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            // The parent is the second field after the command name's closing ')'.
-            std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().is_some_and(|stat| {
-                stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
-                    == Some(me)
-            })
+        .filter_map(|pid| {
+            // The state and the parent are the first two fields after the command
+            // name's closing ')'.
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
+            let state = fields.next()?;
+            (fields.next()?.parse::<u32>().ok()? == me).then_some((pid, state != "Z"))
         })
         .collect()
 }
@@ -132,7 +134,9 @@ fn children() -> Vec<u32> {
 /// Ends the processes a job left outside its node worlds' process groups (a rank's
 /// `setsid` child): once their parents have exited they are this process's children,
 /// as it is a subreaper, so they are the job's and no one else's. Kills and reaps
-/// them, and the children they leave in turn; returns how many there were.
+/// them, and the children they leave in turn, and reaps the job's processes that died
+/// here already (the ranks of an agent that was killed); returns how many were still
+/// running.
 pub fn end_adopted() -> usize {
     let mut ended = 0;
     for _ in 0..ADOPTION_ROUNDS {
@@ -140,10 +144,13 @@ pub fn end_adopted() -> usize {
         if left.is_empty() {
             break;
         }
-        for &pid in &left {
-            signal_pid(pid, libc::SIGKILL);
+        for &(pid, running) in &left {
+            if running {
+                signal_pid(pid, libc::SIGKILL);
+                ended += 1;
+            }
         }
-        for &pid in &left {
+        for &(pid, _) in &left {
             if let Ok(p) = i32::try_from(pid) {
                 // SAFETY: waitpid on one child of ours, blocking: it was just killed.
                 unsafe {
@@ -151,7 +158,6 @@ pub fn end_adopted() -> usize {
                 }
             }
         }
-        ended += left.len();
     }
     ended
 }
