@@ -30,7 +30,10 @@ pub(crate) struct Aligned {
 
 #[derive(Debug)]
 enum Store {
-    Words(Vec<Line>),
+    /// Words from the allocator, the block starting `at` bytes in, at a [`LINE`]
+    /// boundary. Words, not lines: the allocator zeroes memory of 8- or 16-byte
+    /// alignment lazily (a large block is a fresh mapping), of 64 by writing it all.
+    Words(Vec<u64>, usize),
     Anon(Anon),
     Mapped(Mapping),
 }
@@ -53,16 +56,9 @@ pub(crate) enum Place {
 /// types (and so for `u128` and SIMD vectors).
 pub(crate) const LINE: usize = 64;
 
-/// One cache line of a heap block.
-#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
-#[repr(C, align(64))]
-struct Line([u64; LINE / 8]);
-
-const _: () = assert!(std::mem::align_of::<Line>() == LINE && std::mem::size_of::<Line>() == LINE);
-
 impl Default for Store {
     fn default() -> Self {
-        Self::Words(Vec::new())
+        Self::Words(Vec::new(), 0)
     }
 }
 
@@ -101,7 +97,11 @@ impl Aligned {
     /// `len` zero bytes. With `DUCTILE_HUGE_PAGES=1`, a large block's memory gets
     /// transparent huge pages when the kernel has them free (see [`advise_huge`]).
     pub(crate) fn zeroed(len: usize) -> Self {
-        let mut a = Self { store: Store::Words(vec![Line([0; LINE / 8]); len.div_ceil(LINE)]), len };
+        // Zeroed by the allocator: a large block is a fresh mapping whose pages stay
+        // untouched until written.
+        let words = vec![0u64; (len + LINE).div_ceil(8)];
+        let at = words.as_ptr().cast::<u8>().align_offset(LINE);
+        let mut a = Self { store: Store::Words(words, at), len };
         if len >= HUGE_MIN && HUGE_PAGES.load(Ordering::Relaxed) {
             advise_huge(a.bytes_mut());
         }
@@ -165,7 +165,7 @@ impl Aligned {
 
     pub(crate) fn bytes(&self) -> &[u8] {
         match &self.store {
-            Store::Words(w) => &bytemuck::cast_slice::<Line, u8>(w)[..self.len],
+            Store::Words(w, at) => &bytemuck::cast_slice::<u64, u8>(w)[*at..*at + self.len],
             Store::Anon(m) => m.bytes(),
             Store::Mapped(m) => m.bytes(),
         }
@@ -173,7 +173,7 @@ impl Aligned {
 
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         match &mut self.store {
-            Store::Words(w) => &mut bytemuck::cast_slice_mut::<Line, u8>(w)[..self.len],
+            Store::Words(w, at) => &mut bytemuck::cast_slice_mut::<u64, u8>(w)[*at..*at + self.len],
             Store::Anon(m) => m.bytes_mut(),
             Store::Mapped(m) => m.bytes_mut(),
         }
@@ -346,13 +346,31 @@ pub(crate) fn populate(mem: &mut [u8]) {
 mod tests {
     use super::*;
 
+    fn resident_bytes() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap();
+        kib.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() << 10
+    }
+
+    #[test]
+    fn zeroed_blocks_touch_no_page_until_written() {
+        // 1 GiB on the heap: fresh pages are faulted in as data lands, not all at once
+        // here (other tests run meanwhile, hence the wide margin).
+        let before = resident_bytes();
+        let block = Aligned::zeroed(1 << 30);
+        let grown = resident_bytes().saturating_sub(before);
+        assert!(grown < 256 << 20, "a zeroed 1 GiB block made {} MiB resident", grown >> 20);
+        assert_eq!(block.bytes()[(1 << 30) - 1], 0);
+        assert_eq!(block.bytes().as_ptr() as usize % LINE, 0);
+    }
+
     #[test]
     fn blocks_hold_what_is_written() {
         for len in [0, 1, 7, 4096, (2 << 20) + 5] {
             let mut a = Aligned::zeroed(len);
             assert_eq!(a.bytes().len(), len);
             assert!(a.bytes().iter().all(|&b| b == 0));
-            assert_eq!(a.bytes().as_ptr() as usize % 8, 0);
+            assert_eq!(a.bytes().as_ptr() as usize % LINE, 0);
             for (i, b) in a.bytes_mut().iter_mut().enumerate() {
                 *b = i as u8;
             }
