@@ -135,8 +135,9 @@ pub async fn run() -> anyhow::Result<()> {
     let started = match await_ready(&h, &mut world, report, (&mut up, &mut early)).await {
         Ok(s) => s,
         Err(e) => {
-            end_ranks(&mut world).await;
+            // Said first: ending the ranks may take a while.
             let _ = nonblocking::write_msg(report, &FromAgent::Failed(format!("{}: {e:#}", h.node))).await;
+            end_ranks(&mut world).await;
             settle(&h, growing, &mut grown_rx).await;
             return Ok(());
         }
@@ -275,16 +276,19 @@ async fn await_ready(
     // The controller sets this a little shorter than its own limit, so that the
     // precise reason (which rank did not join) is what the user sees.
     let t = Duration::from_millis(h.join_timeout_ms.max(1));
+    let deadline = tokio::time::Instant::now() + t;
     let mut started = Vec::with_capacity(world.readers.len());
     for (id, r) in &mut world.readers {
         let id = *id;
         // One read for the whole wait: a read dropped half-way would lose a frame.
-        let read = tokio::time::timeout(t, nonblocking::read_msg::<FromRank>(r));
+        let read = tokio::time::timeout_at(deadline, nonblocking::read_msg::<FromRank>(r));
         tokio::pin!(read);
         let ready = loop {
             tokio::select! {
                 r = &mut read => break r,
                 Some((r, exit)) = world.exits.recv() => {
+                    // Reaped: its pid is no longer ours to signal.
+                    world.procs.remove(&r);
                     nonblocking::write_msg(report, &FromAgent::RankExited { rank: r, exit }).await?;
                     bail!("{r} {exit} before joining the job");
                 }
@@ -304,6 +308,7 @@ async fn await_ready(
                 // The control channel ends when the process does: its exit, if it comes
                 // soon, says more (its code is the job's) than the broken channel.
                 if let Ok(Some((r, exit))) = tokio::time::timeout(EXIT_AFTER_EOF, world.exits.recv()).await {
+                    world.procs.remove(&r);
                     nonblocking::write_msg(report, &FromAgent::RankExited { rank: r, exit }).await?;
                     bail!("{r} {exit} before joining the job");
                 }

@@ -34,7 +34,10 @@ fn one_line(text: &str) -> String {
 
 /// `ductile` or `ductile <subcommand>`, for the pointer to `--help`.
 fn command_name() -> String {
-    match std::env::args().nth(1).as_deref() {
+    // The first argument that is not an option (none of `ductile`'s own options takes
+    // a value); not valid UTF-8 is no subcommand.
+    let sub = std::env::args_os().skip(1).find(|a| !a.to_string_lossy().starts_with('-'));
+    match sub.as_ref().and_then(|s| s.to_str()) {
         Some(sub @ ("run" | "resize")) => format!("ductile {sub}"),
         _ => "ductile".into(),
     }

@@ -49,15 +49,24 @@ const MAX_PIECE: usize = 1 << 20;
 /// ranks never interleave mid-line, unless longer than [`MAX_PIECE`]), with `prefix`
 /// before each line.
 pub async fn forward(from: impl AsyncRead + Unpin, prefix: Option<String>, to: Stream) {
+    // A closed stdout (e.g. `| head`) must not stop the job; the output is dropped.
+    forward_pieces(from, prefix, MAX_PIECE, |b| {
+        let _ = write_to(to, b);
+    })
+    .await;
+}
+
+/// [`forward`] into `out`, one call per line or piece of at most `max` bytes.
+async fn forward_pieces(from: impl AsyncRead + Unpin, prefix: Option<String>, max: usize, mut out: impl FnMut(&[u8])) {
     let mut reader = BufReader::new(from);
     let mut line = Vec::with_capacity(256);
     let mut mid_line = false;
     loop {
         line.clear();
-        match (&mut reader).take(MAX_PIECE as u64).read_until(b'\n', &mut line).await {
+        match (&mut reader).take(max as u64).read_until(b'\n', &mut line).await {
             Ok(0) => {
                 if mid_line {
-                    let _ = write_to(to, b"\n");
+                    out(b"\n");
                 }
                 return;
             }
@@ -67,19 +76,18 @@ pub async fn forward(from: impl AsyncRead + Unpin, prefix: Option<String>, to: S
                 return;
             }
         }
-        let mut out = Vec::with_capacity(line.len() + 16);
+        let mut piece = Vec::with_capacity(line.len() + 16);
         if let Some(p) = prefix.as_ref().filter(|_| !mid_line) {
-            out.extend_from_slice(p.as_bytes());
+            piece.extend_from_slice(p.as_bytes());
         }
-        out.extend_from_slice(&line);
+        piece.extend_from_slice(&line);
         let whole = line.ends_with(b"\n");
-        if !whole && line.len() < MAX_PIECE {
+        if !whole && line.len() < max {
             // The last line of a process that ended mid-line stays a line of its own.
-            out.push(b'\n');
+            piece.push(b'\n');
         }
-        mid_line = !whole && line.len() == MAX_PIECE;
-        // A closed stdout (e.g. `| head`) must not stop the job; drop the output.
-        let _ = write_to(to, &out);
+        mid_line = !whole && line.len() == max;
+        out(&piece);
     }
 }
 
@@ -87,5 +95,27 @@ fn write_to(to: Stream, bytes: &[u8]) -> std::io::Result<()> {
     match to {
         Stream::Stdout => std::io::stdout().lock().write_all(bytes),
         Stream::Stderr => std::io::stderr().lock().write_all(bytes),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn pieces(input: &[u8], max: usize) -> Vec<String> {
+        let mut got = Vec::new();
+        forward_pieces(input, Some("[3] ".into()), max, |b| got.push(String::from_utf8_lossy(b).into_owned())).await;
+        got
+    }
+
+    #[tokio::test]
+    async fn long_lines_go_out_in_pieces_prefixed_once() {
+        assert_eq!(pieces(b"ab\ncd", 8).await, ["[3] ab\n", "[3] cd\n"]);
+        // 10 bytes with its newline: a piece of 4, of 4, then the rest.
+        assert_eq!(pieces(b"abcdefghi\nz\n", 4).await, ["[3] abcd", "efgh", "i\n", "[3] z\n"]);
+        // A piece that fills the limit at the end of the input still ends its line.
+        assert_eq!(pieces(b"abcd", 4).await, ["[3] abcd", "\n"]);
+        assert_eq!(pieces(b"abc\n", 4).await, ["[3] abc\n"]);
+        assert!(pieces(b"", 4).await.is_empty());
     }
 }

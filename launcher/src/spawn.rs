@@ -113,54 +113,66 @@ pub fn signal_group(pgid: u32, sig: i32) {
     }
 }
 
-/// This process's children, from `/proc` (Linux): each pid, and whether it is still
-/// running (not a zombie waiting to be reaped).
+/// Fields of `/proc/<pid>/stat` after the command name's closing ')': the state
+/// first, the parent second, the start time (clock ticks after boot) 20th.
+fn stat_fields(pid: &str) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(stat.rsplit_once(')')?.1.split_whitespace().map(str::to_owned).collect())
+}
+
+/// This process's children that started after it did (so not a shell's jobs that
+/// `exec`ed into it), from `/proc` (Linux): each pid, and whether it is still running
+/// (not a zombie waiting to be reaped).
 fn children() -> Vec<(u32, bool)> {
     let me = std::process::id();
+    let Some(born) = stat_fields("self").and_then(|f| f.get(19)?.parse::<u64>().ok()) else { return Vec::new() };
     let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
     dir.flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter_map(|pid| {
-            // The state and the parent are the first two fields after the command
-            // name's closing ')'.
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
-            let state = fields.next()?;
-            (fields.next()?.parse::<u32>().ok()? == me).then_some((pid, state != "Z"))
+            let f = stat_fields(&pid.to_string())?;
+            let (parent, started) = (f.get(1)?.parse::<u32>().ok()?, f.get(19)?.parse::<u64>().ok()?);
+            (parent == me && started >= born).then(|| (pid, f[0] != "Z"))
         })
         .collect()
 }
 
 /// Ends the processes a job left outside its node worlds' process groups (a rank's
 /// `setsid` child): once their parents have exited they are this process's children,
-/// as it is a subreaper, so they are the job's and no one else's. Kills and reaps
-/// them, and the children they leave in turn, and reaps the job's processes that died
-/// here already (the ranks of an agent that was killed); returns how many were still
-/// running.
-pub fn end_adopted() -> usize {
+/// as it is a subreaper, so they are the job's. Kills and reaps them, and the children
+/// they leave in turn, and reaps the job's processes that died here already (the ranks
+/// of an agent that was killed), within [`ADOPTION_GRACE`] (a process that cannot die,
+/// stuck in the kernel, is left); returns how many were still running.
+pub async fn end_adopted() -> usize {
+    let deadline = tokio::time::Instant::now() + ADOPTION_GRACE;
     let mut ended = 0;
-    for _ in 0..ADOPTION_ROUNDS {
+    let mut signalled = std::collections::HashSet::new();
+    loop {
         let left = children();
         if left.is_empty() {
-            break;
+            return ended;
         }
         for &(pid, running) in &left {
-            if running {
+            if running && signalled.insert(pid) {
                 signal_pid(pid, libc::SIGKILL);
                 ended += 1;
             }
         }
         for &(pid, _) in &left {
             if let Ok(p) = i32::try_from(pid) {
-                // SAFETY: waitpid on one child of ours, blocking: it was just killed.
+                // SAFETY: waitpid on one child of ours, without blocking.
                 unsafe {
-                    libc::waitpid(p, std::ptr::null_mut(), 0);
+                    libc::waitpid(p, std::ptr::null_mut(), libc::WNOHANG);
                 }
             }
         }
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!("{} processes of the job did not end within {ADOPTION_GRACE:?}", children().len());
+            return ended;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
-    ended
 }
 
-/// Rounds of [`end_adopted`]: a killed orphan's own children are adopted in turn.
-const ADOPTION_ROUNDS: usize = 8;
+/// How long [`end_adopted`] waits for what it killed to end.
+const ADOPTION_GRACE: std::time::Duration = std::time::Duration::from_secs(2);

@@ -100,7 +100,7 @@ impl Aligned {
         // Zeroed by the allocator: a large block is a fresh mapping whose pages stay
         // untouched until written.
         let words = vec![0u64; (len + LINE).div_ceil(8)];
-        let at = words.as_ptr().cast::<u8>().align_offset(LINE);
+        let at = (LINE - words.as_ptr() as usize % LINE) % LINE;
         let mut a = Self { store: Store::Words(words, at), len };
         if len >= HUGE_MIN && HUGE_PAGES.load(Ordering::Relaxed) {
             advise_huge(a.bytes_mut());

@@ -240,8 +240,9 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     let key = JobKey::random()?;
     // Ranks' waits outlast the job's own limit a little, so that when --timeout ends
     // the job, the controller's message (not a rank's timeout) says why.
-    let wait_timeout = spec.timeout.map_or(DEFAULT_WAIT_TIMEOUT, |t| t + WAIT_MARGIN);
+    // And ranks that joined early wait for the late ones as long as they may take.
     let fence_limit = spec.join_timeout;
+    let wait_timeout = spec.timeout.map_or(DEFAULT_WAIT_TIMEOUT, |t| t + WAIT_MARGIN).max(fence_limit + WAIT_MARGIN);
     let (ev_tx, mut events) = mpsc::unbounded_channel();
     let (arr_tx, mut arrivals) = mpsc::unbounded_channel();
     let (socket, answering) = socket::serve(job, arr_tx)?;
@@ -568,7 +569,7 @@ impl Ctl {
         }
         // And what left the groups (by `setsid`); every agent has been reaped, so
         // whatever is still a child of ours is such a process.
-        let adopted = crate::spawn::end_adopted();
+        let adopted = crate::spawn::end_adopted().await;
         if adopted > 0 {
             tracing::warn!("ended {adopted} processes the job's ranks left outside their node worlds");
         }

@@ -33,12 +33,13 @@ impl Moving {
         prep: Prepared,
         work: impl Future<Output = Result<Moved>> + Send + 'static,
     ) -> Self {
-        let handle = MoveHandle::default();
-        let ended = handle.clone();
+        let handle = MoveHandle { ended: Arc::default() };
+        // Ends the handle however the task ends: finished, failed, panicked, aborted,
+        // or dropped with the runtime.
+        let guard = EndOnDrop(handle.clone());
         let task = rt.spawn(async move {
-            let moved = work.await;
-            ended.end();
-            moved
+            let _guard = guard;
+            work.await
         });
         Self { change, prep, task, started: Instant::now(), seen_done: None, handle }
     }
@@ -53,9 +54,18 @@ impl Moving {
 /// change itself completes, the new blocks take the old ones' place (the old ones are
 /// dropped) and a failure is reported, at the first checkpoint after every old rank's
 /// part has ended. Handles are cheap to clone and may be waited on from any thread.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct MoveHandle {
     ended: Arc<(Mutex<bool>, Condvar)>,
+}
+
+/// Ends its handle when dropped.
+struct EndOnDrop(MoveHandle);
+
+impl Drop for EndOnDrop {
+    fn drop(&mut self) {
+        self.0.end();
+    }
 }
 
 impl MoveHandle {
