@@ -6,6 +6,15 @@ mod common;
 
 use common::{assert_no_survivors, ex, run, tmp};
 
+/// Whether this build has the fabric transport; says so loudly if not.
+fn fabric_built() -> bool {
+    let built = ductile_transport::transport::backends().contains(&"fabric");
+    if !built {
+        eprintln!("NOTE: this build has no fabric transport: this fabric test does not run");
+    }
+    built
+}
+
 /// The `ductile run` options selecting each transport built in.
 fn transports() -> Vec<Vec<&'static str>> {
     let built = ductile_transport::transport::backends();
@@ -123,8 +132,7 @@ fn a_rank_that_fails_ends_the_job_over_every_transport() {
 
 #[test]
 fn an_unknown_fabric_provider_fails_at_start_naming_it() {
-    if !ductile_transport::transport::backends().contains(&"fabric") {
-        eprintln!("NOTE: this build has no fabric transport; the unknown-provider case is not run");
+    if !fabric_built() {
         return;
     }
     let report = tmp("t-bogus.json");
@@ -160,8 +168,7 @@ fn children_of(parent: u32) -> Vec<u32> {
 fn a_killed_agent_leaves_no_ranks_and_no_shm_regions() {
     // SIGKILL of a node's agent: its ranks, killed with its process group, die as the
     // controller's children; their libfabric shm regions must still go.
-    if !ductile_transport::transport::backends().contains(&"fabric") {
-        eprintln!("NOTE: this build has no fabric transport: nothing to test");
+    if !fabric_built() {
         return;
     }
     use std::io::BufRead;
@@ -188,8 +195,7 @@ fn ranks_that_exit_without_closing_leave_no_shm_regions() {
     // libfabric's shm provider unlinks an endpoint's /dev/shm region only when the
     // endpoint closes or a fatal signal reaches it: a rank that exits with its
     // endpoint open (here rank 1, code 3) left it behind until the agent removed it.
-    if !ductile_transport::transport::backends().contains(&"fabric") {
-        eprintln!("NOTE: this build has no fabric transport: nothing to test");
+    if !fabric_built() {
         return;
     }
     let report = tmp("t-shm-exit.json");
