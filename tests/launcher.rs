@@ -109,6 +109,10 @@ fn bad_command_lines_get_one_clear_line() {
         (&["run", "--timeout", "0", "--", "true"], "invalid value '0' for '--timeout <SECS>': 0 is not in 1..="),
         (&["run", "--timeout", "18446744073709551615", "--", "true"], "is not in 1..=31622400"),
         (&["run", "--spawn", "foo", "--", "true"], "[possible values: parallel, single] (see ductile run --help)"),
+        (
+            &["run", "--redistribution", "all", "--", "true"],
+            "unknown redistribution method \"all\" (known: collective, p2p, rma)",
+        ),
         (&["resize", "--nodes", "2"], "required arguments were not provided: <JOB>"),
         (&["run", "--min-nodes", "3", "--max-nodes", "2", "--", "true"], "--min-nodes 3 is above --max-nodes 2"),
         (&["run", "--nodes", "2", "--min-nodes", "2", "--policy", "steps:1", "--", "true"], "below --min-nodes 2"),
