@@ -544,15 +544,16 @@ mod tests {
 
     #[test]
     fn a_source_that_dies_mid_move_fails_its_target_naming_it_by_every_executor() {
-        // 3 -> 1 over an in-memory transport: member 2 closes its endpoint (dies) 5 ms
-        // into the move instead of sending; the target's move must fail naming it, well
-        // before the group's own timeout, and no member may hang.
+        // 3 -> 1 over an in-memory transport, blocking and in the background: member 2
+        // closes its endpoint (dies) 5 ms into the move instead of sending; the target's
+        // move must fail naming it, well before the group's own timeout, and no member
+        // may hang.
         use ductile_transport::mem::MemHub;
         use ductile_transport::{Context, Rank};
         use std::time::{Duration, Instant};
         const N: u64 = 3 << 20;
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        for method in Method::ALL {
+        for (method, background) in Method::ALL.into_iter().flat_map(|m| [(m, false), (m, true)]) {
             let members: Vec<Rank> = (0..3).map(Rank).collect();
             let mut eps = MemHub::endpoints(3);
             let dying = eps.pop().unwrap();
@@ -566,9 +567,14 @@ mod tests {
                         let t = AsyncGroup::new(ep.clone(), Context(7), members, r, Duration::from_secs(20)).unwrap();
                         let mut reg = Registry::default();
                         let block: Vec<u64> = block_range(N, 3, r as u32).collect();
-                        reg.distribute("x", N, (r as u32, 3), &block, How::default()).unwrap();
-                        let parts = Parts { old_n: 3, new_n: 1 };
-                        let res = reg.redistribute(&t, parts, &[Some(0), None, None], method, false).await;
+                        let how = How { constant: background, ..How::default() };
+                        reg.distribute("x", N, (r as u32, 3), &block, how).unwrap();
+                        let (parts, new_pos) = (Parts { old_n: 3, new_n: 1 }, [Some(0), None, None]);
+                        let res = if background {
+                            reg.start_background(t, parts, &new_pos, method, 1.0).await.map(drop)
+                        } else {
+                            reg.redistribute(&t, parts, &new_pos, method, false).await
+                        };
                         if res.is_err() {
                             // As its process would, failing: its peers learn it has gone.
                             ep.transport().close().await;
@@ -582,11 +588,17 @@ mod tests {
                 dying.transport().close().await;
             });
             let results: Vec<(Result<()>, Duration)> = moves.into_iter().map(|m| rt.block_on(m).unwrap()).collect();
-            let err = results[0].0.as_ref().expect_err("the target's move succeeded without member 2's data");
-            assert!(err.to_string().contains("rank 2"), "{method}: {err}");
+            assert!(
+                results[0].0.is_err(),
+                "{method} {background}: the target's move succeeded without member 2's data"
+            );
+            // The first to notice names it (a member that saw another fail first may
+            // name that one, which went too).
+            let named = results.iter().any(|(res, _)| res.as_ref().is_err_and(|e| e.to_string().contains("rank 2")));
+            assert!(named, "{method} {background}: no member named rank 2: {results:?}");
             for (r, (res, took)) in results.iter().enumerate() {
                 // Source 1 may have finished its part, or failed when a peer went.
-                assert!(*took < Duration::from_secs(5), "{method}: member {r} took {took:?} ({res:?})");
+                assert!(*took < Duration::from_secs(5), "{method} {background}: member {r} took {took:?} ({res:?})");
             }
         }
     }
