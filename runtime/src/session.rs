@@ -237,7 +237,12 @@ fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("DUCTILE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     // Another subscriber installed by the application wins; that is fine.
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        // Colours only for a terminal, not in log files.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
 }
 
 fn standalone(rt: Runtime, env: &EnvSettings) -> Result<Session> {

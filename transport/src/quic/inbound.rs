@@ -45,10 +45,14 @@ async fn serve_connection(inner: Arc<Inner>, incoming: Incoming) {
         Ok(()) | Err(TransportError::PeerClosed(_)) => PeerEnd::Closed,
         Err(_) if inner.is_closed() => return,
         Err(e) => {
+            // A peer that dies is named by what waits on it, and by the launcher; a peer
+            // that breaks the protocol only here.
             if matches!(e, TransportError::Frame { .. }) {
                 conn.close(close::BAD_FRAME.into(), b"bad frame");
+                tracing::error!("{me}: connection from {peer} dropped: {e}");
+            } else {
+                tracing::info!("{me}: connection from {peer} dropped: {e}");
             }
-            tracing::error!("{me}: connection from {peer} dropped: {e}");
             PeerEnd::Lost
         }
     };

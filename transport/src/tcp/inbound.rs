@@ -511,7 +511,13 @@ impl Reader {
             Err(e) => {
                 gets.fail_peer(conn.peer, || TransportError::PeerLost(conn.peer));
                 if !self.shutdown.load(Ordering::Acquire) {
-                    tracing::error!("{}: connection from {} dropped: {e}", self.me, conn.peer);
+                    // A peer that dies is named by what waits on it, and by the launcher;
+                    // a peer that breaks the protocol only here.
+                    if matches!(e, TransportError::Frame { .. }) {
+                        tracing::error!("{}: connection from {} dropped: {e}", self.me, conn.peer);
+                    } else {
+                        tracing::info!("{}: connection from {} dropped: {e}", self.me, conn.peer);
+                    }
                 }
                 self.mailbox.peer_ended(conn.peer, PeerEnd::Lost);
             }
