@@ -63,6 +63,11 @@ struct Args {
     /// `--background`), in the middle of the first change.
     #[arg(long, value_name = "RANK")]
     die_while_moving: Option<usize>,
+    /// When a checkpoint fails, go on as an application that ignores the error would:
+    /// say what the next checkpoint and a block read answer, then stay alive this many
+    /// seconds before failing (the launcher should end the job before then).
+    #[arg(long, value_name = "SECS")]
+    keep_going: Option<u64>,
 }
 
 /// Headroom beyond the incoming blocks that a change may use.
@@ -220,6 +225,23 @@ fn verify(s: &Session, args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// After checkpoint error `e`: what the session answers then, and `secs` of staying
+/// alive regardless.
+fn keep_going(s: &mut Session, e: ductile::Error, secs: u64) -> anyhow::Result<()> {
+    let rank = s.world().rank();
+    eprintln!("redist: rank {rank}: checkpoint failed: {e}; going on");
+    match s.checkpoint() {
+        Ok(_) => bail!("a checkpoint after a failed one succeeded"),
+        Err(e) => eprintln!("redist: rank {rank}: the next checkpoint: {e}"),
+    }
+    match s.block::<u64>("large") {
+        Ok(_) => bail!("a block read after a failed checkpoint succeeded"),
+        Err(e) => eprintln!("redist: rank {rank}: reading a block: {e}"),
+    }
+    std::thread::sleep(std::time::Duration::from_secs(secs));
+    bail!("rank {rank} was not ended within {secs} s of its failed checkpoint")
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let mut s = ductile::init()?;
@@ -235,7 +257,12 @@ fn main() -> anyhow::Result<()> {
     while s.epoch() < args.changes {
         let mark = if args.check_memory && !s.moving() { Some(memory_mark()?) } else { None };
         let faults = if args.report_faults { minor_faults()? } else { 0 };
-        let cp = if args.background && waited.is_none() { s.checkpoint_background()? } else { s.checkpoint()? };
+        let cp = if args.background && waited.is_none() { s.checkpoint_background() } else { s.checkpoint() };
+        let cp = match (cp, args.keep_going) {
+            (Ok(cp), _) => cp,
+            (Err(e), Some(secs)) => return keep_going(&mut s, e, secs),
+            (Err(e), None) => return Err(e.into()),
+        };
         let faults = if args.report_faults { minor_faults()? - faults } else { 0 };
         if let (Some(rss0), Checkpoint::Resized(_) | Checkpoint::Released(_)) = (mark, &cp) {
             let extra = (status_kib("VmHWM")? << 10).saturating_sub(rss0);

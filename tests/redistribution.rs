@@ -142,6 +142,48 @@ fn mismatched_registrations_fail_every_rank_with_the_reason() {
     }
 }
 
+#[test]
+fn a_failed_checkpoint_ends_the_job_even_when_the_application_goes_on() {
+    // A shrink whose registrations differ, and processes that catch the error and stay
+    // alive (`--keep-going`) instead of exiting: the launcher ends the job a few seconds
+    // after the first rank reports its failed checkpoint, not at `--timeout`.
+    let report = tmp("redist-keep-going.json");
+    let prog = ex("redist");
+    let args = [
+        "run",
+        "--timeout",
+        "90",
+        "--report",
+        report.to_str().unwrap(),
+        "-n",
+        "4",
+        "--slots",
+        "1",
+        "--max-nodes",
+        "8",
+        "--policy",
+        "steps:2",
+        "--",
+        prog.as_str(),
+        "--mismatch",
+        "2",
+        "--keep-going",
+        "100",
+    ];
+    let started = std::time::Instant::now();
+    let out = run(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(30), "{:?}: {err}", started.elapsed());
+    assert!(err.contains("failed at checkpoint 1: reconfiguration failed:"), "{err}");
+    assert!(err.contains("differ from rank 0's"), "{err}");
+    // What the processes were told when they went on.
+    assert!(err.contains("the next checkpoint: reconfiguration failed: an earlier checkpoint failed"), "{err}");
+    assert!(err.contains("reading a block: reconfiguration failed: an earlier checkpoint failed"), "{err}");
+    assert!(!err.contains("was not ended within"), "{err}");
+    assert_no_survivors(&report);
+}
+
 /// 256 MiB moved 2 -> 4 -> 1 -> 8 -> 2: every process checks that its peak memory grew
 /// by at most its incoming blocks plus 64 MiB at every change.
 fn check_memory(method: &str) {

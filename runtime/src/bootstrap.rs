@@ -20,7 +20,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 
 /// Version of the handoff; a rank refuses a handoff of another version.
-pub const HANDOFF_VERSION: u32 = 4;
+pub const HANDOFF_VERSION: u32 = 5;
 /// The file descriptor the control channel is passed as.
 pub const CONTROL_FD: i32 = 3;
 /// Environment variable naming the control channel's descriptor.
@@ -184,6 +184,18 @@ pub enum FromRank {
     /// The rank cannot join: its endpoint did not bind (unknown provider, missing
     /// library, ...). Sent instead of `Ready`, so the launcher can say why.
     Failed {
+        /// What went wrong.
+        reason: String,
+    },
+    /// A checkpoint failed on this rank (a change that could not complete: a peer lost
+    /// or silent, registrations that differ, ...), or the change a new process was
+    /// started for. The process can only finalize from here; the launcher ends the job
+    /// soon after unless it ends first, so that no rank waits on a change that is over.
+    CheckpointFailed {
+        /// The checkpoint's number (0: the change a new process joined with).
+        count: u64,
+        /// The process's rank in its world at the checkpoint (the old membership's).
+        rank: u32,
         /// What went wrong.
         reason: String,
     },

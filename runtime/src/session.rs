@@ -75,6 +75,8 @@ pub struct Session {
     background_share: f64,
     /// A change whose constant items are moving in the background.
     moving: Option<Moving>,
+    /// Why a checkpoint failed, once one has: the process can only finalize.
+    broken: Option<String>,
 }
 
 /// A change after the transition group agreed on the registry, before data moves.
@@ -304,10 +306,15 @@ fn launched(rt: Runtime, env: &EnvSettings, fd: i32) -> Result<Session> {
             // Until the change is applied the process is a group of its own.
             let alone = Membership { epoch: c.after.epoch, ranks: vec![h.id], nodes: vec![h.node], addrs: Vec::new() };
             let mut s = Session::assemble(rt, env, &h, endpoint, Some(control), alone)?;
-            match s.apply_change(c, true)? {
-                Checkpoint::Resized(r) => s.joined = Some(r),
-                _ => return Err(Error::Bootstrap("started by a resize but not part of the new group".into())),
-            }
+            let joined = match s.apply_change(c, true) {
+                Ok(Checkpoint::Resized(r)) => r,
+                Ok(_) => return Err(Error::Bootstrap("started by a resize but not part of the new group".into())),
+                Err(e) => {
+                    s.count = 0; // reported as joining, whatever the checkpoint
+                    return Err(s.broken_by(e));
+                }
+            };
+            s.joined = Some(joined);
             Ok(s)
         }
         (joining, other) => Err(Error::Bootstrap(format!(
@@ -423,6 +430,7 @@ impl Session {
             background: h.background,
             background_share: env.background_share,
             moving: None,
+            broken: None,
         })
     }
 
@@ -444,7 +452,36 @@ impl Session {
         if self.released {
             return Err(Error::Invalid("this process was released at a checkpoint; call finalize".into()));
         }
-        Ok(())
+        self.intact()
+    }
+
+    /// Fails once a checkpoint has failed: the group and the registered blocks may be
+    /// half-way through a change.
+    fn intact(&self) -> Result<()> {
+        match &self.broken {
+            Some(why) => {
+                Err(Error::Reconfigure(format!("an earlier checkpoint failed ({why}); this process can only finalize")))
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Records that a checkpoint failed with `e` and tells the launcher (best effort),
+    /// which ends the job soon unless it ends first: the ranks this one would have
+    /// switched with must not wait for it until their timeouts. Returns `e`.
+    fn broken_by(&mut self, e: Error) -> Error {
+        let reason = e.to_string();
+        tracing::debug!("{}: checkpoint {} failed: {reason}", self.endpoint.rank(), self.count);
+        if let Some(c) = self.control.as_mut() {
+            let msg = FromRank::CheckpointFailed {
+                count: self.count,
+                rank: self.world.rank() as u32,
+                reason: reason.clone(),
+            };
+            let _ = bootstrap::write_msg(c, &msg);
+        }
+        self.broken = Some(reason);
+        e
     }
 
     /// The group of every process in the job (in the current membership).
@@ -486,7 +523,10 @@ impl Session {
     ///
     /// # Errors
     /// The controller or a peer failed or timed out, or ranks registered different
-    /// items.
+    /// items. A failed checkpoint is final: the launcher is told and ends the job a few
+    /// seconds later unless it ends first, and from then on this process's
+    /// checkpoints and blocks are errors; it can only [`Session::finalize`] (which then
+    /// skips the barrier).
     pub fn checkpoint(&mut self) -> Result<Checkpoint> {
         self.checkpoint_in(CheckpointMode::Blocking)
     }
@@ -507,6 +547,10 @@ impl Session {
     fn checkpoint_in(&mut self, mode: CheckpointMode) -> Result<Checkpoint> {
         self.in_group()?;
         self.count += 1;
+        self.checkpoint_step(mode).map_err(|e| self.broken_by(e))
+    }
+
+    fn checkpoint_step(&mut self, mode: CheckpointMode) -> Result<Checkpoint> {
         if self.moving.is_some() {
             return self.poll_moving(mode);
         }
@@ -800,7 +844,9 @@ impl Session {
             let _ = prep.transition.allreduce(&[ABANDONED], ReduceOp::Max);
             self.registry.abandon_background();
         }
-        if !self.released {
+        // After a failed checkpoint the world may be half-way through a change, and
+        // some of its ranks gone: no barrier.
+        if !self.released && self.broken.is_none() {
             self.world.barrier()?;
         }
         let t = self.endpoint.transport().clone();

@@ -41,6 +41,10 @@ fn agent_join_limit(fence: Duration) -> Duration {
 }
 /// Time agents get to end their node worlds before their process groups are killed.
 pub const ABORT_GRACE: Duration = Duration::from_secs(5);
+/// Time the ranks get to end on their own after one reports a failed checkpoint: the
+/// job's exit status is then the first failing rank's (a rank whose death caused the
+/// failure, say), and applications print their errors. After it the job is ended.
+pub const FAILED_CHECKPOINT_GRACE: Duration = Duration::from_secs(3);
 /// Exit code when `--timeout` ends the job.
 pub const TIMEOUT_EXIT: i32 = 124;
 /// Longest wait at the end of a job for the answers to resize requests to be written.
@@ -157,6 +161,8 @@ pub(crate) struct Ctl {
     done: Vec<report::Reconfiguration>,
     events: mpsc::UnboundedSender<Event>,
     ending: Option<Ending>,
+    /// A rank's failed checkpoint: when the job ends unless it ends first, and why.
+    failed: Option<(tokio::time::Instant, String)>,
     wait_timeout: Duration,
     fence_limit: Duration,
 }
@@ -273,6 +279,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
         done: Vec::new(),
         events: ev_tx,
         ending: None,
+        failed: None,
         wait_timeout,
         fence_limit,
     };
@@ -413,7 +420,7 @@ impl Ctl {
             if let Some(f) = &self.flight {
                 phase = Some(tokio::time::Instant::from_std(f.deadline));
             }
-            if let Some(p) = phase {
+            if let Some(p) = phase.into_iter().chain(self.failed.as_ref().map(|f| f.0)).min() {
                 limit = Some(limit.map_or(p, |l| l.min(p)));
             }
             let sleep = async {
@@ -438,7 +445,9 @@ impl Ctl {
                             continue;
                         }
                     }
-                    if !fenced {
+                    if self.failed.as_ref().is_some_and(|f| f.0 <= now) {
+                        self.ending = self.failed.take().map(|(_, why)| Ending::Reconfig(why));
+                    } else if !fenced {
                         let n = self.agents.iter().find(|a| a.started.is_empty()).map_or(NodeId(0), |a| a.node);
                         self.ending = Some(Ending::Node(n, format!("did not start within {:?}", self.fence_limit)));
                     } else {
@@ -539,6 +548,11 @@ impl Ctl {
 
     /// Ends the job: aborts every agent on failure, or waits for them to exit.
     async fn finish(&mut self) -> i32 {
+        if self.ending.is_none() {
+            // Every rank ended within the grace, none with an error of its own: the
+            // failed checkpoint is still the job's failure.
+            self.ending = self.failed.take().map(|(_, why)| Ending::Reconfig(why));
+        }
         let code = match &self.ending {
             Some(e) => {
                 crate::say_errln!("ductile: {}", e.describe());

@@ -15,7 +15,7 @@
 //!
 //! A checkpoint that arrives while a change is under way is answered when it is done.
 
-use super::{AgentConn, Ctl, Ending};
+use super::{AgentConn, Ctl, Ending, FAILED_CHECKPOINT_GRACE};
 use crate::membership::GrowOrders;
 use crate::plan::resize::{plan_resize, Resize, Target};
 use crate::plan::shrink::ShrinkPlan;
@@ -139,6 +139,22 @@ impl Ctl {
                 }
             }
             FromRank::Switched { epoch, times } => self.on_switched(epoch, times).await,
+            FromRank::CheckpointFailed { count, rank, reason } => {
+                if self.failed.is_some() || self.ending.is_some() {
+                    return;
+                }
+                // The controller's ranks are already the new membership's; the process
+                // failed in the old one (or, joining, is only in the new one).
+                let who = match (count, rank == id.0) {
+                    (0, _) => self.who(id),
+                    (_, true) => format!("rank {rank}"),
+                    (_, false) => format!("rank {rank} (endpoint {})", id.0),
+                };
+                let at = if count == 0 { "joining".to_string() } else { format!("at checkpoint {count}") };
+                let why = format!("{who} failed {at}: {reason}");
+                tracing::warn!("{why}; the job ends in {FAILED_CHECKPOINT_GRACE:?} unless it ends first");
+                self.failed = Some((tokio::time::Instant::now() + FAILED_CHECKPOINT_GRACE, why));
+            }
             other => tracing::warn!("unexpected {other:?} from {id}"),
         }
     }

@@ -126,8 +126,10 @@ impl Session {
     /// # Local
     ///
     /// # Errors
-    /// No such item, or it holds another type.
+    /// No such item, it holds another type, or a checkpoint failed (its block may be
+    /// half-way through a change).
     pub fn block<T: Pod>(&self, name: &str) -> Result<&[T]> {
+        self.intact()?;
         self.registry.block(name)
     }
 
@@ -136,8 +138,9 @@ impl Session {
     /// # Local
     ///
     /// # Errors
-    /// No such item, or it holds another type.
+    /// As [`Session::block`].
     pub fn block_mut<T: Pod>(&mut self, name: &str) -> Result<&mut [T]> {
+        self.intact()?;
         self.registry.block_mut(name)
     }
 
