@@ -4,7 +4,8 @@
 //! every released process exits with CODE instead of leaving cleanly; `fault join-crash
 //! CODE` reaches checkpoints until a growth, where every new process exits with CODE as
 //! soon as it has joined; `fault join-exit FILE CODE` (one initial rank) does the same
-//! before it even starts joining: the first process creates FILE, later ones exit;
+//! before it even starts joining: the first process creates FILE, later ones exit (with
+//! CODE `hang`, they sleep for 10 minutes instead);
 //! `fault join-slow FILE MS` (one initial rank) makes every new process take MS
 //! milliseconds to start before it joins, and the job ends after the growth. The
 //! launcher must
@@ -59,25 +60,36 @@ fn main() -> anyhow::Result<()> {
             world.recv::<u8>(None, Some(1))?;
         }
         _ => bail!(
-            "usage: fault exit RANK CODE | fault hang | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE | fault join-slow FILE MS"
+            "usage: fault exit RANK CODE | fault hang | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS"
         ),
     }
     session.finalize()?;
     Ok(())
 }
 
-/// `join-exit FILE CODE`: the process that creates FILE (the job's one initial rank)
-/// reaches checkpoints until a growth has come and gone; every later process (a new one)
-/// exits with CODE before it joins.
+/// `join-exit FILE CODE [background]`: the process that creates FILE (the job's one
+/// initial rank) reaches 1000 checkpoints (background ones if asked); every later
+/// process (a new one) exits with CODE before it joins, or with CODE `hang` sleeps 10
+/// minutes instead.
 fn join_exit(args: &[String]) -> anyhow::Result<()> {
     let file = args.first().context("fault join-exit FILE CODE")?;
-    let code: i32 = args.get(1).context("fault join-exit FILE CODE")?.parse()?;
+    let code = args.get(1).context("fault join-exit FILE CODE")?;
     if std::fs::OpenOptions::new().write(true).create_new(true).open(file).is_err() {
-        std::process::exit(code);
+        if code == "hang" {
+            std::thread::sleep(std::time::Duration::from_secs(600));
+        }
+        std::process::exit(code.parse()?);
     }
+    let background = args.get(2).is_some_and(|a| a == "background");
     let mut session = ductile::init()?;
     for _ in 0..1000 {
-        session.checkpoint()?;
+        if background {
+            // Computing between checkpoints, while the growth starts.
+            session.checkpoint_background()?;
+            std::thread::sleep(std::time::Duration::from_millis(3));
+        } else {
+            session.checkpoint()?;
+        }
     }
     let _ = std::fs::remove_file(file);
     Ok(session.finalize()?)

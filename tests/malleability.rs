@@ -335,22 +335,35 @@ fn a_growth_pays_the_start_up_of_new_processes_once_not_once_per_step() {
     assert!((600.0..1000.0).contains(&spawn), "spawn phase {spawn} ms: {doc}");
 }
 
-#[test]
-fn a_process_failing_before_it_joins_a_growth_fails_the_job_and_leaves_nothing() {
-    // The new node worlds' processes exit before they join. Their agents have already
-    // started the next ones: those must still come up and be ended with the job, not
-    // lose their spawner halfway.
-    let report = tmp("join-exit.json");
-    let marker = tmp("join-exit.marker");
+/// `ductile run` of `fault join-exit MARKER CODE...` (`code`), grown from 1 to 4 nodes
+/// (as [`fault_growth_1_to_4`]) with `extra` options: the growth fails before its switch,
+/// the job goes on without it, and its one process ends well.
+fn check_failed_growth_goes_on(name: &str, code: &[&str], extra: &[&str], why: &str) {
+    let report = tmp(&format!("{name}.json"));
+    let marker = tmp(&format!("{name}.marker"));
     let _ = std::fs::remove_file(&marker);
+    let mut all = vec!["run", "-n", "1", "--nodes", "1", "--max-nodes", "4", "--policy", "steps:4"];
+    all.extend(["--timeout", "60", "--report", report.to_str().unwrap()]);
+    all.extend(extra);
+    let fault = ex("fault");
+    all.extend(["--", &fault, "join-exit", marker.to_str().unwrap()]);
+    all.extend(code);
     let start = Instant::now();
-    let out = fault_growth_1_to_4(&report, &["join-exit", marker.to_str().unwrap(), "6"]);
-    assert_eq!(out.status.code(), Some(1), "{out:?}");
-    assert!(start.elapsed() < Duration::from_secs(30));
+    let out = run(&all);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("failed") && err.contains("ending the job"), "{err}");
+    assert!(out.status.success(), "{name}: {err}");
+    assert!(start.elapsed() < Duration::from_secs(30), "{name}: {:?}: {err}", start.elapsed());
+    assert!(err.contains("resize 1 failed before the switch: "), "{name}: {err}");
+    assert!(err.contains(why), "{name}: {err}");
+    assert!(err.contains("the job goes on without it (1 process on 1 node)"), "{name}: {err}");
     assert!(!err.contains("not by this process's agent"), "an agent lost its spawner while starting: {err}");
+    let doc = read_report(&report);
+    assert!(doc["failure"].is_null(), "{doc}");
+    assert!(doc["reconfigurations"].as_array().unwrap().is_empty(), "{doc}");
+    assert_eq!(doc["failed_growths"].as_array().map(Vec::len), Some(1), "{doc}");
+    assert_eq!(doc["final_size"], 1, "{doc}");
     assert_no_survivors(&report);
+    // Every new process, joined or not, is gone with the job.
     let marker_text = marker.to_string_lossy().into_owned();
     let named: Vec<String> = std::fs::read_dir("/proc")
         .unwrap()
@@ -358,7 +371,28 @@ fn a_process_failing_before_it_joins_a_growth_fails_the_job_and_leaves_nothing()
         .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
         .filter(|c| c.contains(&marker_text))
         .collect();
-    assert!(named.is_empty(), "processes of the job still running: {named:?}");
+    assert!(named.is_empty(), "{name}: processes of the job still running: {named:?}");
+}
+
+#[test]
+fn a_growth_whose_processes_fail_before_joining_is_abandoned_and_the_job_goes_on() {
+    // The new node worlds' processes exit before they join. Their agents have already
+    // started the next ones: those must still come up and be ended, not lose their
+    // spawner halfway, and the one old process goes on to its end.
+    check_failed_growth_goes_on("join-exit", &["6"], &[], "exited with code 6 before joining the job");
+}
+
+#[test]
+fn a_growth_failing_behind_background_checkpoints_is_abandoned_and_the_job_goes_on() {
+    // Rank 0 was told the growth is pending and polls; it is told to go on instead.
+    check_failed_growth_goes_on("join-exit-bg", &["7", "background"], &[], "exited with code 7 before joining the job");
+}
+
+#[test]
+fn a_growth_whose_processes_do_not_join_in_time_is_abandoned_and_the_job_goes_on() {
+    // The new processes sleep instead of joining; after --join-timeout their agents
+    // give up, and the sleeping processes are ended.
+    check_failed_growth_goes_on("join-hang", &["hang"], &["--join-timeout", "3"], "within 2.4s");
 }
 
 #[test]

@@ -31,7 +31,8 @@ pub struct JobState {
     pub slots: Vec<u32>,
     /// Occupied pool nodes, oldest first.
     pub join_order: Vec<NodeId>,
-    /// Resource changes so far.
+    /// Resource changes so far (growths that failed before their switch count too, so
+    /// that every resize has a number of its own).
     pub changes: u32,
 }
 

@@ -100,6 +100,9 @@ pub struct Report {
     pub nodes: Vec<NodeReport>,
     /// Reconfigurations, in order.
     pub reconfigurations: Vec<Reconfiguration>,
+    /// Growths that failed before their switch (a new node world or process failed or
+    /// did not come up), and why: the job went on without them.
+    pub failed_growths: Vec<String>,
 }
 
 impl Report {

@@ -163,6 +163,10 @@ pub(crate) struct Ctl {
     ending: Option<Ending>,
     /// A rank's failed checkpoint: when the job ends unless it ends first, and why.
     failed: Option<(tokio::time::Instant, String)>,
+    /// Growths that failed before their switch, and why (the job went on without them).
+    failed_growths: Vec<String>,
+    /// Tokens of new agents whose growth ended before they connected.
+    dropped_tokens: Vec<Token>,
     wait_timeout: Duration,
     fence_limit: Duration,
 }
@@ -280,6 +284,8 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
         events: ev_tx,
         ending: None,
         failed: None,
+        failed_growths: Vec::new(),
+        dropped_tokens: Vec::new(),
         wait_timeout,
         fence_limit,
     };
@@ -491,6 +497,12 @@ impl Ctl {
                     self.after_exit().await;
                     return;
                 }
+                if self.in_growing_world(a) {
+                    self.agents[a].done = true;
+                    let node = self.agents[a].node;
+                    return self.growth_agent_lost(format!("{node}: {why}")).await;
+                }
+                let ag = &self.agents[a];
                 if self.ending.is_none() {
                     self.ending = Some(Ending::Node(ag.node, why));
                 }
@@ -518,6 +530,12 @@ impl Ctl {
             FromAgent::Rank(id, msg) => self.on_rank(a, id, msg).await,
             FromAgent::RankExited { rank, exit } => {
                 self.agents[a].live.remove(&rank);
+                if self.in_growing_world(a) && !self.agents[a].abandoned {
+                    // A new process cannot end before its switch, whatever its code.
+                    let node = self.agents[a].node;
+                    self.fail_growth(format!("new process {} on {node} {exit}", rank.0)).await;
+                    return self.after_exit().await;
+                }
                 let released = self.is_releasing(rank);
                 let abandoned = self.agents[a].abandoned;
                 if exit != Exit::Code(0) && !abandoned && !self.ended_by_us(rank) && self.ending.is_none() {
@@ -531,6 +549,12 @@ impl Ctl {
                 if self.flight.as_ref().is_some_and(InFlight::is_abandoned) {
                     tracing::warn!("{why} (the growth was abandoned: the application had finished)");
                     self.drop_abandoned().await;
+                } else if self.spawning() {
+                    self.growth_report_failed(why).await;
+                } else if !self.agents[a].started.is_empty() {
+                    // Only a spawner that is up reports so: a growth dropped at its
+                    // deadline, reported late.
+                    tracing::warn!("a late report of a dropped growth ignored: {why}");
                 } else if self.ending.is_none() {
                     self.ending = Some(Ending::Node(self.agents[a].node, why));
                 }
@@ -638,6 +662,7 @@ impl Ctl {
                 })
                 .collect(),
             reconfigurations: self.done.clone(),
+            failed_growths: self.failed_growths.clone(),
         }
     }
 }

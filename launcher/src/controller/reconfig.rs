@@ -6,7 +6,10 @@
 //!
 //! 1. **spawn** (growth): `Grow` orders go to the agents hosting the spawning ranks;
 //!    the new node worlds start along the spawn tree and report back up it; each new
-//!    agent also connects to the control socket with its token;
+//!    agent also connects to the control socket with its token. A growth that fails
+//!    here (a new process or agent fails, or does not come up in time) is abandoned:
+//!    no old process has heard of it, so rank 0 is told to continue and the job goes
+//!    on at its old size ([`Ctl::fail_growth`]);
 //! 2. **switch**: the [`Change`] goes to rank 0 (which passes it to the old group) and to
 //!    every new process; the ranks move the registered data and the new rank 0 reports
 //!    `Switched` with the phase times measured inside the ranks;
@@ -95,6 +98,12 @@ pub struct InFlight {
     /// The old processes all finished before the growth could switch: once every new
     /// node world is up (or has failed) they are ended and the job ends normally.
     abandoned: bool,
+    /// Why the growth failed before its switch, if it did: the job goes on without it.
+    failure: Option<String>,
+    /// A new agent was lost before its switch. Its spawner's report says why more
+    /// precisely (a rank that exited, say), so the growth fails on this only when every
+    /// report is in.
+    lost: Option<String>,
 }
 
 impl InFlight {
@@ -231,6 +240,8 @@ impl Ctl {
             tokens: HashMap::new(),
             new_agents: Vec::new(),
             abandoned: false,
+            failure: None,
+            lost: None,
         };
         match plan {
             Plan::Shrink(s) => {
@@ -307,8 +318,15 @@ impl Ctl {
         let found = self.flight.as_ref().and_then(|f| {
             f.tokens.iter().find(|(&a, t)| t.matches(token) && self.agents[a].node == node).map(|(&a, _)| a)
         });
-        let Some(a) = found else {
-            tracing::warn!("control socket: agent of {node} (pid {pid}) presented an unknown token; refused");
+        let failed = self.flight.as_ref().is_some_and(|f| f.failure.is_some());
+        let Some(a) = found.filter(|_| !failed) else {
+            if found.is_some() || self.dropped_tokens.iter().any(|t| t.matches(token)) {
+                // Its growth failed or was dropped: refused, the agent ends its node
+                // world and exits.
+                tracing::debug!("control socket: agent of {node} (pid {pid}) came up after its growth ended; refused");
+            } else {
+                tracing::warn!("control socket: agent of {node} (pid {pid}) presented an unknown token; refused");
+            }
             return;
         };
         if let Some(f) = self.flight.as_mut() {
@@ -339,8 +357,16 @@ impl Ctl {
     /// Ends an abandoned growth: its new node worlds are told to end, and the job ends
     /// when their agents are done.
     pub(super) async fn drop_abandoned(&mut self) {
+        self.drop_growth().await;
+    }
+
+    /// Ends the growth under way, abandoned or failed: its new node worlds are told to
+    /// end (those whose agents never connected end on their own, their spawners having
+    /// reported); a failed growth is recorded and the deferred checkpoint answered.
+    async fn drop_growth(&mut self) {
         let Some(f) = self.flight.take() else { return };
         let seq = f.seq;
+        self.dropped_tokens.extend(f.tokens.values().cloned());
         if let Phase::Spawning { started, .. } = &f.phase {
             // Recorded for the report, so the ended processes can be accounted for.
             for n in started {
@@ -362,13 +388,94 @@ impl Ctl {
                 self.send(a, &ToAgent::Abort).await;
             }
         }
-        f.fail(&format!("the application finished before resize {seq} could switch"));
+        match f.failure.clone() {
+            Some(why) => {
+                f.fail(&format!("resize {seq} failed before the switch: {why}; the job goes on as it was"));
+                self.failed_growths.push(format!("resize {seq}: {why}"));
+                // Its number is taken: the next change has the next one.
+                self.state.changes = seq;
+                if let Some(d) = self.deferred.take() {
+                    self.decide(d).await;
+                }
+            }
+            None => f.fail(&format!("the application finished before resize {seq} could switch")),
+        }
+    }
+
+    /// Whether agent `a` hosts a node world of the growth under way, before its switch.
+    pub(super) fn in_growing_world(&self, a: usize) -> bool {
+        self.flight.as_ref().is_some_and(|f| matches!(f.phase, Phase::Spawning { .. }) && f.new_agents.contains(&a))
+    }
+
+    /// Whether a growth is starting its node worlds.
+    pub(super) fn spawning(&self) -> bool {
+        self.flight.as_ref().is_some_and(|f| matches!(f.phase, Phase::Spawning { .. }))
+    }
+
+    /// The agent of a new node world was lost before the switch.
+    pub(super) async fn growth_agent_lost(&mut self, why: String) {
+        if let Some(f) = self.flight.as_mut() {
+            f.lost.get_or_insert(why);
+        }
+        self.gathered().await;
+    }
+
+    /// A spawner reported that its part of the growth failed.
+    pub(super) async fn growth_report_failed(&mut self, why: String) {
+        if let Some(Phase::Spawning { pending, .. }) = self.flight.as_mut().map(|f| &mut f.phase) {
+            *pending = pending.saturating_sub(1);
+        }
+        self.fail_growth(why).await;
+    }
+
+    /// The growth under way failed before its switch (a new node world or process
+    /// failed, or did not come up in time). The old processes have not heard of it, so
+    /// it is abandoned and the job goes on as it was: rank 0 is told to continue at
+    /// once and the new node worlds are ended. The growth stays in flight, deferring the
+    /// next checkpoint, until every spawner has reported (or the phase's deadline), so
+    /// that no late report is taken for a later growth's.
+    pub(super) async fn fail_growth(&mut self, why: String) {
+        self.mark_failed(why).await;
+        self.gathered().await;
+    }
+
+    /// The first half of [`Ctl::fail_growth`]: the failure recorded and acted on.
+    async fn mark_failed(&mut self, why: String) {
+        let Some(f) = self.flight.as_mut() else { return };
+        if !matches!(f.phase, Phase::Spawning { .. }) || f.abandoned {
+            return;
+        }
+        if f.failure.is_none() {
+            let (n, nodes) = (self.state.ranks.len(), self.state.node_count());
+            let (ps, ns) = (if n == 1 { "" } else { "es" }, if nodes == 1 { "" } else { "s" });
+            crate::say_errln!(
+                "ductile: resize {} failed before the switch: {why}; the job goes on without it ({n} process{ps} on {nodes} node{ns})",
+                f.seq
+            );
+            f.failure = Some(why);
+            let (root, new_agents) = (f.root, f.new_agents.clone());
+            for a in new_agents {
+                self.agents[a].abandoned = true;
+                if self.agents[a].tx.is_some() && !self.agents[a].done {
+                    self.send(a, &ToAgent::Abort).await;
+                }
+            }
+            self.send(root.0, &ToAgent::ToRank(root.1, ToRank::Decision(Decision::Continue))).await;
+        }
     }
 
     /// Finishes the gather of a growth once every report and every new agent is in.
     async fn gathered(&mut self) {
         let Some(f) = self.flight.as_mut() else { return };
         let Phase::Spawning { pending: 0, .. } = &f.phase else { return };
+        if f.failure.is_some() {
+            // Agents yet to connect will be refused.
+            return self.drop_growth().await;
+        }
+        if let Some(why) = f.lost.take() {
+            self.mark_failed(why).await;
+            return self.drop_growth().await;
+        }
         if !f.tokens.is_empty() {
             return;
         }
@@ -556,10 +663,10 @@ impl Ctl {
                 } else {
                     format!("no agent connected for {}", missing.join(", "))
                 };
-                self.ending = Some(Ending::Reconfig(format!(
-                    "resize {seq}: node worlds did not come up within {:?} ({what})",
-                    self.fence_limit
-                )));
+                let limit = self.fence_limit;
+                self.fail_growth(format!("node worlds did not come up within {limit:?} ({what})")).await;
+                // Reports still missing now will not come.
+                self.drop_growth().await;
             }
             Phase::Switching => {
                 self.ending = Some(Ending::Reconfig(format!(
