@@ -59,6 +59,11 @@ struct Args {
     /// Linux only.
     #[arg(long)]
     report_faults: bool,
+    /// After every change, rank 0 says how many file descriptors and threads it holds
+    /// (a change must leave nothing open: connections to processes that left are
+    /// closed). Linux only.
+    #[arg(long)]
+    report_open: bool,
     /// Fault injection: this rank aborts while constant items move (with
     /// `--background`), in the middle of the first change.
     #[arg(long, value_name = "RANK")]
@@ -68,6 +73,11 @@ struct Args {
     /// seconds before failing (the launcher should end the job before then).
     #[arg(long, value_name = "SECS")]
     keep_going: Option<u64>,
+}
+
+/// Entries of a directory (of `/proc`).
+fn entries(dir: &str) -> anyhow::Result<usize> {
+    Ok(std::fs::read_dir(dir).with_context(|| format!("reading {dir}"))?.count())
 }
 
 /// Headroom beyond the incoming blocks that a change may use.
@@ -305,6 +315,14 @@ fn main() -> anyhow::Result<()> {
                 }
                 if s.world().rank() == 0 {
                     println!("redist: change {}: {} -> {} processes, data intact", s.epoch(), r.old_size, r.new_size);
+                    if args.report_open {
+                        if r.new_size < r.old_size {
+                            // The processes that left close their ends as they finalize.
+                            std::thread::sleep(std::time::Duration::from_millis(300));
+                        }
+                        let (fds, threads) = (entries("/proc/self/fd")?, entries("/proc/self/task")?);
+                        println!("redist: change {}: rank 0 holds {fds} fds and {threads} threads", s.epoch());
+                    }
                     if args.report_files {
                         let files = block_files(s.block::<u64>("large")?)?;
                         println!("redist: change {}: large lies in {files} files", s.epoch());

@@ -48,7 +48,9 @@ struct Inner {
     cfg: TransportConfig,
     local: SocketAddr,
     peers: RwLock<Vec<Option<SocketAddr>>>,
-    out: Mutex<HashMap<Rank, Arc<Outbound>>>,
+    /// Outbound connections by peer; shared with their writer tasks, which remove their
+    /// own once it is unusable (see [`Inner::outbound`]).
+    out: Arc<Mutex<HashMap<Rank, Arc<Outbound>>>>,
     connecting: Mutex<HashMap<Rank, Arc<tokio::sync::Mutex<()>>>>,
     reader: Arc<Reader>,
     windows: Arc<WindowTable>,
@@ -89,7 +91,7 @@ impl TcpTransport {
             cfg: setup.config,
             local,
             peers: RwLock::new(Vec::new()),
-            out: Mutex::new(HashMap::new()),
+            out: Arc::new(Mutex::new(HashMap::new())),
             connecting: Mutex::new(HashMap::new()),
             reader,
             windows,
@@ -231,8 +233,22 @@ impl Inner {
             return Ok(o.clone());
         }
         let o = self.connect(dst).await?;
-        let task = tokio::spawn(o.clone().writer());
-        lock(&self.tasks).push(task.abort_handle());
+        let (out, mine) = (self.out.clone(), o.clone());
+        let task = tokio::spawn(async move {
+            mine.clone().writer().await;
+            // The connection failed or its peer closed it (a process that left the job
+            // at a change, say): forgotten, so that its socket closes instead of lingering
+            // in CLOSE-WAIT for the rest of the job, one per peer that ever left. A later
+            // send to that peer dials anew.
+            let mut out = lock(&out);
+            if out.get(&dst).is_some_and(|o| Arc::ptr_eq(o, &mine)) {
+                out.remove(&dst);
+            }
+        });
+        let mut tasks = lock(&self.tasks);
+        tasks.retain(|t| !t.is_finished());
+        tasks.push(task.abort_handle());
+        drop(tasks);
         lock(&self.out).insert(dst, o.clone());
         Ok(o)
     }

@@ -66,7 +66,7 @@ impl Outbound {
         stream.set_nonblocking(true)?;
         // SAFETY: the TcpStream owns its descriptor, which stays open and unchanged until
         // the AsyncFd (which owns the stream) is dropped.
-        let fd = unsafe { AsyncFd::register_with_interest(stream, Interest::WRITABLE) }
+        let fd = unsafe { AsyncFd::register_with_interest(stream, Interest::WRITABLE | Interest::READABLE) }
             .map_err(|e| std::io::Error::other(e.to_string()))?;
         Ok(Arc::new(Self {
             peer,
@@ -216,9 +216,17 @@ impl Outbound {
     }
 
     /// The writer task: flushes the queue whenever the socket can take more.
+    /// Returns when the connection fails or its peer closes it.
     pub(super) async fn writer(self: Arc<Self>) {
         loop {
-            self.has_data.notified().await;
+            tokio::select! {
+                () = self.has_data.notified() => {}
+                why = self.peer_closed() => {
+                    lock(&self.state).error.get_or_insert(why);
+                    self.space.notify_waiters();
+                    return;
+                }
+            }
             loop {
                 let mut ready = match self.fd.writable().await {
                     Ok(r) => r,
@@ -242,6 +250,27 @@ impl Outbound {
                 }
                 // The queue is not empty only because the socket was full.
                 ready.clear_ready();
+            }
+        }
+    }
+
+    /// Resolves once the peer has closed the connection (or it broke), with why. The
+    /// peer never writes on it after the handshake, so whatever makes it readable is its
+    /// end.
+    async fn peer_closed(&self) -> String {
+        loop {
+            let mut ready = match self.fd.readable().await {
+                Ok(r) => r,
+                Err(e) => return e.to_string(),
+            };
+            let mut byte = [0u8; 1];
+            match ready.try_io(|s| s.get_ref().peek(&mut byte)) {
+                Ok(Ok(0)) => return format!("{} closed the connection", self.peer),
+                Ok(Ok(_)) => return format!("{} wrote on a connection it may only read", self.peer),
+                Ok(Err(e)) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Ok(Err(e)) => return e.to_string(),
+                // Readiness cleared; wait for the next.
+                Err(_would_block) => {}
             }
         }
     }
