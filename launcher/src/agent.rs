@@ -61,8 +61,8 @@ struct NodeWorld {
 enum Dest {
     /// The spawner of this (joining) agent, with this node world included.
     Spawner,
-    /// The controller.
-    Controller,
+    /// The controller, for the growth with this sequence number.
+    Controller(u32),
 }
 
 /// Reads messages from `r` into a channel until it fails; reading in a task of its own
@@ -433,8 +433,8 @@ impl Supervisor {
                 }
                 None => tracing::warn!("{}: no {id} here for {m:?}", self.h.node),
             },
-            ToAgent::Grow(orders) => {
-                start_growth(&self.h, orders, Dest::Controller, &self.grown_tx);
+            ToAgent::Grow { seq, orders } => {
+                start_growth(&self.h, orders, Dest::Controller(seq), &self.grown_tx);
                 self.growing += 1;
             }
             ToAgent::End(ids) => {
@@ -461,12 +461,12 @@ impl Supervisor {
                 nodes.insert(0, self.own.clone());
                 FromAgent::Grown(nodes)
             }
-            (Dest::Controller, Ok(nodes)) => FromAgent::Grown(nodes),
-            (_, Err(e)) => FromAgent::Failed(e),
+            (Dest::Spawner, Err(e)) => FromAgent::Failed(e),
+            (Dest::Controller(seq), result) => FromAgent::GrowthReport { seq, result },
         };
         let to = match dest {
             Dest::Spawner => self.spawner.take(),
-            Dest::Controller => None,
+            Dest::Controller(_) => None,
         };
         match to {
             Some(mut w) => {

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// Version of the agent handoff.
-pub const AGENT_VERSION: u32 = 5;
+pub const AGENT_VERSION: u32 = 6;
 
 /// Everything an agent needs to start its node world.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -108,8 +108,14 @@ pub enum ToAgent {
     Handoff(AgentHandoff),
     /// The job's first membership (the start-up fence).
     Membership(Membership),
-    /// Start these node worlds (and, through them, their subtrees).
-    Grow(Vec<SpawnOrder>),
+    /// Start these node worlds (and, through them, their subtrees), for the growth
+    /// with this sequence number (echoed in the report).
+    Grow {
+        /// The growth's sequence number.
+        seq: u32,
+        /// The node worlds this agent's ranks spawn.
+        orders: Vec<SpawnOrder>,
+    },
     /// Pass a message to one of the node's ranks.
     ToRank(Rank, ToRank),
     /// End these ranks (released ones that did not leave in time).
@@ -201,6 +207,15 @@ pub enum FromAgent {
     },
     /// The node world could not start or broke.
     Failed(String),
+    /// To the controller: how the node worlds a `Grow` asked for came up (or why they
+    /// did not). The sequence number tells a late report of a growth that was given up
+    /// from one of the growth under way.
+    GrowthReport {
+        /// The `Grow`'s sequence number.
+        seq: u32,
+        /// The node worlds started, or why they failed.
+        result: Result<Vec<NodeStarted>, String>,
+    },
     /// Every rank ended and its output is forwarded; the agent exits next.
     Done,
 }

@@ -526,7 +526,7 @@ impl Ctl {
                 ag.live = ranks.iter().map(|r| r.id).collect();
                 ag.started = ranks;
             }
-            FromAgent::Grown(nodes) => self.on_grown(nodes).await,
+            FromAgent::Grown(_) => tracing::warn!("{}: a growth report meant for a spawner", self.agents[a].node),
             FromAgent::Rank(id, msg) => self.on_rank(a, id, msg).await,
             FromAgent::RankExited { rank, exit } => {
                 self.agents[a].live.remove(&rank);
@@ -545,20 +545,14 @@ impl Ctl {
                 }
                 self.after_exit().await;
             }
+            // An agent that started with the job could not start its node world (a
+            // new agent reports to its spawner instead).
             FromAgent::Failed(why) => {
-                if self.flight.as_ref().is_some_and(InFlight::is_abandoned) {
-                    tracing::warn!("{why} (the growth was abandoned: the application had finished)");
-                    self.drop_abandoned().await;
-                } else if self.spawning() {
-                    self.growth_report_failed(why).await;
-                } else if !self.agents[a].started.is_empty() {
-                    // Only a spawner that is up reports so: a growth dropped at its
-                    // deadline, reported late.
-                    tracing::warn!("a late report of a dropped growth ignored: {why}");
-                } else if self.ending.is_none() {
+                if self.ending.is_none() {
                     self.ending = Some(Ending::Node(self.agents[a].node, why));
                 }
             }
+            FromAgent::GrowthReport { seq, result } => self.on_growth_report(seq, result).await,
             FromAgent::Done => {
                 let ag = &mut self.agents[a];
                 ag.done = true;

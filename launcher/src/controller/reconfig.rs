@@ -26,7 +26,7 @@ use crate::plan::spawn::{plan_expansion, Method, SpawnPlan, Strategy};
 use crate::proto::{NodeStarted, ResizeReply, SpawnOrder, ToAgent, Token};
 use crate::report::{Phases, Reconfiguration};
 use ductile::bootstrap::{Change, CheckpointMode, Decision, FromRank, SwitchTimes, ToRank};
-use ductile_transport::{NodeId, Rank};
+use ductile_transport::{EndpointAddr, NodeId, Rank};
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
@@ -107,11 +107,6 @@ pub struct InFlight {
 }
 
 impl InFlight {
-    /// Whether the application finished while this growth was starting.
-    pub fn is_abandoned(&self) -> bool {
-        self.abandoned
-    }
-
     /// The job failed while this change was under way.
     pub fn fail(self, why: &str) {
         if let Some(r) = self.reply {
@@ -301,13 +296,12 @@ impl Ctl {
         f.added_nodes = orders.group_nodes.iter().map(|n| n.0).collect();
         f.deadline = Instant::now() + self.fence_limit;
         let pending = per_agent.len();
-        let mode = f.mode;
-        let root = f.root;
+        let (mode, root, seq) = (f.mode, f.root, f.seq);
         f.phase = Phase::Spawning { pending, started: Vec::new(), plan, orders };
         self.flight = Some(f);
         tracing::debug!("growth: orders to {pending} agents");
         for (a, o) in per_agent {
-            self.send(a, &ToAgent::Grow(o)).await;
+            self.send(a, &ToAgent::Grow { seq, orders: o }).await;
         }
         if mode == CheckpointMode::Background {
             self.send(root.0, &ToAgent::ToRank(root.1, ToRank::Decision(Decision::Pending))).await;
@@ -339,9 +333,26 @@ impl Ctl {
         super::watch(&self.events, a, rx);
     }
 
-    pub(super) async fn on_grown(&mut self, nodes: Vec<NodeStarted>) {
+    /// A spawning agent's report on the node worlds of growth `seq`.
+    pub(super) async fn on_growth_report(&mut self, seq: u32, result: Result<Vec<NodeStarted>, String>) {
+        let Some(f) = self.flight.as_ref().filter(|f| f.seq == seq && matches!(f.phase, Phase::Spawning { .. })) else {
+            // A growth given up at its deadline, reported late: nothing of it is left.
+            let what = result.as_ref().map_or_else(Clone::clone, |n| format!("{} node worlds up", n.len()));
+            tracing::debug!("a report of resize {seq}, which has ended, ignored ({what})");
+            return;
+        };
+        match result {
+            Ok(nodes) => self.on_grown(nodes).await,
+            Err(why) if f.abandoned => {
+                tracing::warn!("{why} (the growth was abandoned: the application had finished)");
+                self.drop_abandoned().await;
+            }
+            Err(why) => self.growth_report_failed(why).await,
+        }
+    }
+
+    async fn on_grown(&mut self, nodes: Vec<NodeStarted>) {
         let Some(Phase::Spawning { pending, started, .. }) = self.flight.as_mut().map(|f| &mut f.phase) else {
-            tracing::warn!("growth report outside a growth ignored");
             return;
         };
         started.extend(nodes);
@@ -390,10 +401,18 @@ impl Ctl {
         }
         match f.failure.clone() {
             Some(why) => {
-                f.fail(&format!("resize {seq} failed before the switch: {why}; the job goes on as it was"));
                 self.failed_growths.push(format!("resize {seq}: {why}"));
-                // Its number is taken: the next change has the next one.
+                // Its number is taken: the next change has the next one. So are its
+                // endpoint ids: they stay blank ("left the job"), and the next growth's
+                // processes get new ones, never confused with these.
                 self.state.changes = seq;
+                if let Phase::Spawning { orders, .. } = &f.phase {
+                    let end = orders.group_ids.iter().flatten().map(|r| r.index() + 1).max().unwrap_or(0);
+                    if end > self.state.addrs.len() {
+                        self.state.addrs.resize(end, EndpointAddr(String::new()));
+                    }
+                }
+                f.fail(&format!("resize {seq} failed before the switch: {why}; the job goes on as it was"));
                 if let Some(d) = self.deferred.take() {
                     self.decide(d).await;
                 }
@@ -407,11 +426,6 @@ impl Ctl {
         self.flight.as_ref().is_some_and(|f| matches!(f.phase, Phase::Spawning { .. }) && f.new_agents.contains(&a))
     }
 
-    /// Whether a growth is starting its node worlds.
-    pub(super) fn spawning(&self) -> bool {
-        self.flight.as_ref().is_some_and(|f| matches!(f.phase, Phase::Spawning { .. }))
-    }
-
     /// The agent of a new node world was lost before the switch.
     pub(super) async fn growth_agent_lost(&mut self, why: String) {
         if let Some(f) = self.flight.as_mut() {
@@ -421,7 +435,7 @@ impl Ctl {
     }
 
     /// A spawner reported that its part of the growth failed.
-    pub(super) async fn growth_report_failed(&mut self, why: String) {
+    async fn growth_report_failed(&mut self, why: String) {
         if let Some(Phase::Spawning { pending, .. }) = self.flight.as_mut().map(|f| &mut f.phase) {
             *pending = pending.saturating_sub(1);
         }
@@ -664,8 +678,8 @@ impl Ctl {
                     format!("no agent connected for {}", missing.join(", "))
                 };
                 let limit = self.fence_limit;
-                self.fail_growth(format!("node worlds did not come up within {limit:?} ({what})")).await;
-                // Reports still missing now will not come.
+                self.mark_failed(format!("node worlds did not come up within {limit:?} ({what})")).await;
+                // Reports still missing now are ignored when they come (by their number).
                 self.drop_growth().await;
             }
             Phase::Switching => {
