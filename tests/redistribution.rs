@@ -24,13 +24,44 @@ fn redist_job_with(method: &str, job_extra: &[&str], extra: &[&str], name: &str)
     args.push("--");
     args.extend([prog.as_str(), "--changes", &changes]);
     args.extend(extra);
-    let out = run(&args);
-    let text = String::from_utf8_lossy(&out.stdout);
+    let (out, text) = run_noting_launcher_fds(&args);
     assert!(out.status.success(), "{method}: {}\n{text}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains(&format!("redist: 20 changes by {method}, every element intact")), "{text}");
     assert_no_survivors(&report);
     let v = read_report(&report);
-    (v, text.into_owned())
+    (v, text)
+}
+
+/// Runs `ductile ARGS` and returns its output, with its standard output as text in
+/// which every line where rank 0 says what it holds (`--report-open`) is followed by
+/// what the launcher held then: "launcher holds N fds".
+fn run_noting_launcher_fds(args: &[&str]) -> (std::process::Output, String) {
+    use std::io::BufRead;
+    let mut child = ductile(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start ductile");
+    let fd_dir = format!("/proc/{}/fd", child.id());
+    let mut stderr = child.stderr.take().expect("stderr");
+    let errors = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut stderr, &mut v);
+        v
+    });
+    let mut text = String::new();
+    for line in std::io::BufReader::new(child.stdout.take().expect("stdout")).lines() {
+        let line = line.expect("ductile's output");
+        text.push_str(&line);
+        text.push('\n');
+        if line.contains(" rank 0 holds ") {
+            let fds = std::fs::read_dir(&fd_dir).map_or(0, Iterator::count);
+            text.push_str(&format!("launcher holds {fds} fds\n"));
+        }
+    }
+    let status = child.wait().expect("wait for ductile");
+    let stderr = errors.join().expect("stderr reader");
+    (std::process::Output { status, stdout: text.clone().into_bytes(), stderr }, text)
 }
 
 /// The (processes before, processes after) of every change in a report.
@@ -54,20 +85,26 @@ fn check_every_pair(method: &str, extra: &[&str]) {
 }
 
 /// Rank 0, which stays through the whole circuit, holds as many file descriptors and
-/// threads alone at its end as alone after its second change: nine grow-and-shrink
-/// cycles in between left nothing open (a connection to every process that left, once,
-/// in CLOSE-WAIT).
+/// threads alone at its end as alone after its second change, and so does the launcher:
+/// nine grow-and-shrink cycles in between left nothing open (once, rank 0 kept a
+/// connection to every process that left, in CLOSE-WAIT, and the launcher one to every
+/// node world's agent that left).
 fn check_nothing_left_open(text: &str) {
-    let held = |change: usize| -> (usize, usize) {
+    let held = |change: usize| -> (usize, usize, usize) {
         let prefix = format!("redist: change {change}: rank 0 holds ");
-        let line = text.lines().find_map(|l| l.strip_prefix(&prefix)).unwrap_or_else(|| panic!("{prefix}: {text}"));
-        let n: Vec<usize> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
-        (n[0], n[1])
+        let mut lines = text.lines().skip_while(|l| !l.starts_with(&prefix));
+        let rank0 = lines.next().unwrap_or_else(|| panic!("{prefix}: {text}"));
+        let n: Vec<usize> = rank0[prefix.len()..].split_whitespace().filter_map(|w| w.parse().ok()).collect();
+        let launcher = lines.next().and_then(|l| l.strip_prefix("launcher holds ")?.strip_suffix(" fds")?.parse().ok());
+        (n[0], n[1], launcher.unwrap_or_else(|| panic!("no launcher count after {rank0}: {text}")))
     };
     assert_eq!(CIRCUIT[1], 1);
     let (first, last) = (held(2), held(CIRCUIT.len()));
     // A process that left may not have closed its end yet: a little slack.
-    assert!(last.0 <= first.0 + 2 && last.1 <= first.1, "alone after change 2: {first:?}, at the end: {last:?}");
+    assert!(
+        last.0 <= first.0 + 2 && last.1 <= first.1 && last.2 <= first.2 + 2,
+        "(rank 0's fds, its threads, the launcher's fds) alone after change 2: {first:?}, at the end: {last:?}"
+    );
 }
 
 #[test]

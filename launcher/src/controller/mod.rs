@@ -494,11 +494,13 @@ impl Ctl {
                 if ag.abandoned || ag.live.is_empty() && !ag.started.is_empty() {
                     // Its ranks are gone and so is it: a released node world.
                     ag.done = true;
+                    ag.tx = None;
                     self.after_exit().await;
                     return;
                 }
                 if self.in_growing_world(a) {
                     self.agents[a].done = true;
+                    self.agents[a].tx = None;
                     let node = self.agents[a].node;
                     return self.growth_agent_lost(format!("{node}: {why}")).await;
                 }
@@ -556,6 +558,9 @@ impl Ctl {
             FromAgent::Done => {
                 let ag = &mut self.agents[a];
                 ag.done = true;
+                // Its connection closes: one per node world that ever left, otherwise,
+                // kept to the end of the job.
+                ag.tx = None;
                 if ag.child.is_none() {
                     tokio::spawn(reap_orphan(ag.pid, ABORT_GRACE));
                 }
