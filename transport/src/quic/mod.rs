@@ -49,7 +49,7 @@ use crate::transport::{BoxFuture, Capabilities, EndpointAddr, Transport, Transpo
 use crate::window::{GetRequest, Got, WindowError, WindowId, WindowTable};
 use bytes::Bytes;
 use outbound::Outbound;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use tls::{Certificate, PeerAddr};
@@ -86,7 +86,12 @@ struct Inner {
     /// The accepting side's settings, given a transport config for each incoming route.
     server: quinn::ServerConfig,
     peers: RwLock<Vec<Option<PeerAddr>>>,
-    out: Mutex<HashMap<Rank, Slot>>,
+    /// Connections by peer. A connection that ends is let go by its watcher task, so
+    /// that its state goes (a process that left the job at a change, say), see
+    /// `Outbound::start`.
+    out: Arc<Mutex<HashMap<Rank, Slot>>>,
+    /// Peers whose connection ended with their goodbye: not dialed again.
+    departed: Arc<Mutex<HashSet<Rank>>>,
     windows: WindowTable,
     tasks: Mutex<Vec<AbortHandle>>,
     closed: AtomicBool,
@@ -129,7 +134,8 @@ impl QuicTransport {
             local,
             server,
             peers: RwLock::new(Vec::new()),
-            out: Mutex::new(HashMap::new()),
+            out: Arc::new(Mutex::new(HashMap::new())),
+            departed: Arc::new(Mutex::new(HashSet::new())),
             windows: WindowTable::new(),
             tasks: Mutex::new(Vec::new()),
             closed: AtomicBool::new(false),
@@ -360,5 +366,31 @@ mod tests {
         assert_eq!(got.payload, &b"after"[..]);
         a.close().await;
         b.transport().close().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_its_peer_closed_is_let_go() {
+        // A process that leaves the job at a change says goodbye; its peers must not
+        // keep the closed connection's state for the rest of the job.
+        let t = Duration::from_secs(10);
+        let (a, _) = endpoint(0);
+        let (b, inbox) = endpoint(1);
+        let table = [a.local_addr(), b.local_addr()];
+        a.set_peers(&table).unwrap();
+        b.set_peers(&table).unwrap();
+        let b = Endpoint::new(Arc::new(b), inbox, Rank(1));
+        a.send(Rank(1), Context(0), Tag(1), Bytes::from_static(b"hello")).await.unwrap();
+        assert_eq!(b.recv(FROM_0, t).await.unwrap().payload, &b"hello"[..]);
+        b.transport().close().await;
+        let slot = lock(&a.inner.out).get(&Rank(1)).cloned().expect("a connection to 1");
+        let started = Instant::now();
+        while slot.lock().await.is_some() {
+            assert!(started.elapsed() < t, "the closed connection is still held");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // And the peer is known to have left: not dialed again.
+        let err = a.send(Rank(1), Context(0), Tag(1), Bytes::from_static(b"late")).await.unwrap_err();
+        assert!(matches!(err, TransportError::PeerClosed(Rank(1))), "{err}");
+        a.close().await;
     }
 }

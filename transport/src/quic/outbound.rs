@@ -36,10 +36,28 @@ pub(super) struct Outbound {
 
 impl Outbound {
     /// Wraps an authenticated connection and starts the writer task of its message
-    /// stream.
+    /// stream, and a task that forgets the connection once it has ended: held on to, a
+    /// closed connection keeps its state (some 200 KiB), one per process that ever left.
     fn start(inner: &Inner, peer: Rank, conn: Connection, send: SendStream) -> Arc<Self> {
         let (jobs, rx) = mpsc::unbounded_channel();
         inner.track(tokio::spawn(write_frames(send, rx)).abort_handle());
+        let (out, departed, watched) = (inner.out.clone(), inner.departed.clone(), conn.clone());
+        inner.track(
+            tokio::spawn(async move {
+                let reason = watched.closed().await;
+                let Some(slot) = lock(&out).get(&peer).cloned() else { return };
+                let mut held = slot.lock().await;
+                if held.as_ref().is_some_and(|o| o.conn.stable_id() == watched.stable_id()) {
+                    if matches!(wire::conn_error(peer, &reason), TransportError::PeerClosed(_)) {
+                        lock(&departed).insert(peer);
+                    }
+                    // The slot itself stays: a send waiting on it must not open a second
+                    // connection beside the next one (its messages could overtake).
+                    *held = None;
+                }
+            })
+            .abort_handle(),
+        );
         Arc::new(Self { peer, conn, jobs })
     }
 
@@ -106,6 +124,9 @@ impl Inner {
     /// The connection to `dst`, opened and authenticated on first use, and again after
     /// it was lost. A peer that said goodbye is not dialed again.
     pub(super) async fn outbound(&self, dst: Rank) -> Result<Arc<Outbound>, TransportError> {
+        if lock(&self.departed).contains(&dst) {
+            return Err(TransportError::PeerClosed(dst));
+        }
         let slot = lock(&self.out).entry(dst).or_default().clone();
         let mut slot = slot.lock().await;
         if let Some(o) = slot.as_ref() {
