@@ -615,6 +615,13 @@ impl Ctl {
         let Some(f) = self.flight.take() else { return };
         let now = Instant::now();
         let epoch = self.state.epoch;
+        // The processes that left are gone: the next membership says so (a blank
+        // address), and the ranks' transports let go of what they held for them.
+        for r in &f.leaving {
+            if let Some(a) = self.state.addrs.get_mut(r.index()) {
+                *a = EndpointAddr(String::new());
+            }
+        }
         for a in &mut self.agents {
             if a.done && a.released_epoch.is_none() && a.started.iter().all(|r| f.leaving.contains(&r.id)) {
                 a.released_epoch = Some(epoch);

@@ -362,7 +362,15 @@ impl Transport for FabricTransport {
                     Some(a)
                 }
             };
-            lock(&inner.sessions).route(rank, fi_addr);
+            let unused = lock(&inner.sessions).route(rank, fi_addr);
+            if let Some(a) = unused {
+                // An endpoint that left the job: its address goes from the vector, and
+                // with it what the provider holds for it (over shm, a mapping of the
+                // peer's region, which would otherwise keep that memory for the rest of
+                // the job, one region per process that ever left).
+                lock(&inner.names).retain(|_, x| *x != a);
+                inner.ep.av().remove(a);
+            }
         }
         Ok(())
     }

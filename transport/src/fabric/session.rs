@@ -192,15 +192,18 @@ impl Sessions {
     }
 
     /// Sets where `rank` is reached (`None`: it left). A changed address drops the
-    /// stream to the old one.
-    pub(super) fn route(&mut self, rank: Rank, fi_addr: Option<u64>) {
+    /// stream to the old one. Returns the old address if it changed and no rank uses it
+    /// any more (for the caller to remove from the address vector).
+    pub(super) fn route(&mut self, rank: Rank, fi_addr: Option<u64>) -> Option<u64> {
         let old = match fi_addr {
             Some(a) => self.routes.insert(rank, a),
             None => self.routes.remove(&rank),
         };
         if old.is_some() && old != fi_addr {
             self.tx.remove(&rank);
+            return old.filter(|&a| !self.in_use(a));
         }
+        None
     }
 
     /// Whether `fi_addr` is some rank's route or stream address.
