@@ -59,9 +59,10 @@ struct Args {
     /// Linux only.
     #[arg(long)]
     report_faults: bool,
-    /// After every change, rank 0 says how many file descriptors and threads it holds
-    /// (a change must leave nothing open: connections to processes that left are
-    /// closed). Linux only.
+    /// After every change, rank 0 says how many file descriptors, threads and mappings
+    /// of shared memory (`/dev/shm`) it holds (a change must leave nothing open:
+    /// connections to processes that left are closed, their regions unmapped). Linux
+    /// only.
     #[arg(long)]
     report_open: bool,
     /// Fault injection: this rank aborts while constant items move (with
@@ -321,7 +322,12 @@ fn main() -> anyhow::Result<()> {
                             std::thread::sleep(std::time::Duration::from_millis(300));
                         }
                         let (fds, threads) = (entries("/proc/self/fd")?, entries("/proc/self/task")?);
-                        println!("redist: change {}: rank 0 holds {fds} fds and {threads} threads", s.epoch());
+                        let maps = std::fs::read_to_string("/proc/self/maps")?;
+                        let shm = maps.lines().filter(|l| l.contains("/dev/shm/")).count();
+                        println!(
+                            "redist: change {}: rank 0 holds {fds} fds, {threads} threads and {shm} shm mappings",
+                            s.epoch()
+                        );
                     }
                     if args.report_files {
                         let files = block_files(s.block::<u64>("large")?)?;

@@ -94,7 +94,8 @@ fn check_nothing_left_open(text: &str) {
         let prefix = format!("redist: change {change}: rank 0 holds ");
         let mut lines = text.lines().skip_while(|l| !l.starts_with(&prefix));
         let rank0 = lines.next().unwrap_or_else(|| panic!("{prefix}: {text}"));
-        let n: Vec<usize> = rank0[prefix.len()..].split_whitespace().filter_map(|w| w.parse().ok()).collect();
+        let n: Vec<usize> =
+            rank0[prefix.len()..].split(|c: char| !c.is_ascii_digit()).filter_map(|w| w.parse().ok()).collect();
         let launcher = lines.next().and_then(|l| l.strip_prefix("launcher holds ")?.strip_suffix(" fds")?.parse().ok());
         (n[0], n[1], launcher.unwrap_or_else(|| panic!("no launcher count after {rank0}: {text}")))
     };

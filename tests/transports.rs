@@ -29,6 +29,32 @@ fn transports() -> Vec<Vec<&'static str>> {
     chosen
 }
 
+/// What rank 0 of a `redist --report-open` job holds after `change`: (fds, threads, shm
+/// mappings).
+fn held(out: &str, change: u32) -> (usize, usize, usize) {
+    let prefix = format!("redist: change {change}: rank 0 holds ");
+    let line = out.lines().find_map(|l| l.strip_prefix(&prefix)).unwrap_or_else(|| panic!("{prefix}: {out}"));
+    let n: Vec<usize> = line.split(|c: char| !c.is_ascii_digit()).filter_map(|w| w.parse().ok()).collect();
+    (n[0], n[1], n[2])
+}
+
+#[test]
+fn repeated_resizes_leave_nothing_held_over_every_transport() {
+    // 1 -> 8 -> 1 twice: after the second round rank 0 holds what it held after the
+    // first (a connection kept to every process that left, over tcp; a closed QUIC
+    // connection's state; over fabric shm, a mapping of every departed peer's region).
+    for t in transports() {
+        let opts = ["--nodes", "1", "--slots", "1", "--max-nodes", "8", "--policy", "steps:2,1,8,1,8,1"];
+        let args = ["--changes", "6", "--large", "1000", "--report-open"];
+        let out = job(&t, &opts, "redist", &args, "t-held.json");
+        let (first, second) = (held(&out, 4), held(&out, 6));
+        assert!(
+            second.0 <= first.0 + 2 && second.1 <= first.1 && second.2 <= first.2,
+            "{t:?}: (fds, threads, shm mappings) after the first 1 -> 8 -> 1: {first:?}, after the second: {second:?}"
+        );
+    }
+}
+
 fn job(transport: &[&str], opts: &[&str], prog: &str, args: &[&str], name: &str) -> String {
     let report = tmp(name);
     let mut all = vec!["run", "--timeout", "120", "--report", report.to_str().unwrap()];
