@@ -328,17 +328,22 @@ mod tests {
         (QuicTransport::bind(setup).unwrap(), mailbox)
     }
 
-    const FROM_0: Pattern = Pattern { ctx: Context(0), src: SrcMatch::Rank(Rank(0)), tag: TagMatch::Tag(Tag(1)) };
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_bad_frame_closes_only_that_connection() {
-        let t = Duration::from_secs(10);
+    /// Endpoints 0 (the bare transport) and 1 that know each other's addresses.
+    fn connected_pair() -> (QuicTransport, Endpoint) {
         let (a, _) = endpoint(0);
         let (b, inbox) = endpoint(1);
         let table = [a.local_addr(), b.local_addr()];
         a.set_peers(&table).unwrap();
         b.set_peers(&table).unwrap();
-        let b = Endpoint::new(Arc::new(b), inbox, Rank(1));
+        (a, Endpoint::new(Arc::new(b), inbox, Rank(1)))
+    }
+
+    const FROM_0: Pattern = Pattern { ctx: Context(0), src: SrcMatch::Rank(Rank(0)), tag: TagMatch::Tag(Tag(1)) };
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bad_frame_closes_only_that_connection() {
+        let t = Duration::from_secs(10);
+        let (a, b) = connected_pair();
         a.send(Rank(1), Context(0), Tag(1), Bytes::from_static(b"before")).await.unwrap();
         assert_eq!(b.recv(FROM_0, t).await.unwrap().payload, &b"before"[..]);
         let out = a.inner.outbound(Rank(1)).await.unwrap();
@@ -373,12 +378,7 @@ mod tests {
         // A process that leaves the job at a change says goodbye; its peers must not
         // keep the closed connection's state for the rest of the job.
         let t = Duration::from_secs(10);
-        let (a, _) = endpoint(0);
-        let (b, inbox) = endpoint(1);
-        let table = [a.local_addr(), b.local_addr()];
-        a.set_peers(&table).unwrap();
-        b.set_peers(&table).unwrap();
-        let b = Endpoint::new(Arc::new(b), inbox, Rank(1));
+        let (a, b) = connected_pair();
         a.send(Rank(1), Context(0), Tag(1), Bytes::from_static(b"hello")).await.unwrap();
         assert_eq!(b.recv(FROM_0, t).await.unwrap().payload, &b"hello"[..]);
         b.transport().close().await;
