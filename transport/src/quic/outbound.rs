@@ -129,6 +129,10 @@ impl Inner {
         }
         let slot = lock(&self.out).entry(dst).or_default().clone();
         let mut slot = slot.lock().await;
+        // Its watcher may have let the connection go meanwhile, the peer having left.
+        if lock(&self.departed).contains(&dst) {
+            return Err(TransportError::PeerClosed(dst));
+        }
         if let Some(o) = slot.as_ref() {
             match o.ended() {
                 None => return Ok(o.clone()),

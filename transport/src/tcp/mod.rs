@@ -233,6 +233,9 @@ impl Inner {
             return Ok(o.clone());
         }
         let o = self.connect(dst).await?;
+        // In the map before its writer starts: a writer that ends at once (a peer that
+        // closed straight after the handshake) must find it there to remove it.
+        lock(&self.out).insert(dst, o.clone());
         let (out, mine) = (self.out.clone(), o.clone());
         let task = tokio::spawn(async move {
             mine.clone().writer().await;
@@ -249,7 +252,6 @@ impl Inner {
         tasks.retain(|t| !t.is_finished());
         tasks.push(task.abort_handle());
         drop(tasks);
-        lock(&self.out).insert(dst, o.clone());
         Ok(o)
     }
 
@@ -286,8 +288,13 @@ impl Inner {
         let header = FrameHeader::data(self.me.rank, ctx, tag, payload.len() as u64).encode();
         let res = out.send(header, payload).await;
         if res.is_err() && out.failed() {
-            // The next send to this peer opens a fresh connection.
-            lock(&self.out).remove(&dst);
+            // The next send to this peer opens a fresh connection. Only this one is
+            // removed: another may already have replaced it (two connections to a peer
+            // at once could reorder its messages).
+            let mut map = lock(&self.out);
+            if map.get(&dst).is_some_and(|o| Arc::ptr_eq(o, &out)) {
+                map.remove(&dst);
+            }
         }
         res
     }
