@@ -131,7 +131,7 @@ impl Inner {
                 if let Some(d) = done {
                     let _ = d.send(Err(self.ofi_err(who, &why)));
                 }
-                lock(&self.sessions).fail_dials_to(fi_addr, |r| self.ofi_err(r, &why));
+                lock(&self.sessions).fail_dials_to(fi_addr, peer, |r| self.ofi_err(r, &why));
                 match peer {
                     Some(rank) if !self.shutdown.load(Ordering::Acquire) => {
                         self.peer_ended(rank, PeerEnd::Lost, &format!("a send to it failed: {why}"));

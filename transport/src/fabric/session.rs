@@ -371,9 +371,17 @@ impl Sessions {
         }
     }
 
-    /// Fails every dial to `fi_addr` with `err` (a send to it failed).
-    pub(super) fn fail_dials_to(&mut self, fi_addr: u64, err: impl Fn(Rank) -> TransportError) {
-        let ranks: Vec<Rank> = self.dials.iter().filter(|(_, d)| d.fi_addr == fi_addr).map(|(r, _)| *r).collect();
+    /// Fails every dial to `fi_addr` with `err` (a send to it failed), or only the dial
+    /// to `only` there: a data send names its peer, and an address index freed when a
+    /// peer left may since have been given to another one, whose dial is none of its
+    /// business.
+    pub(super) fn fail_dials_to(&mut self, fi_addr: u64, only: Option<Rank>, err: impl Fn(Rank) -> TransportError) {
+        let ranks: Vec<Rank> = self
+            .dials
+            .iter()
+            .filter(|(r, d)| d.fi_addr == fi_addr && only.is_none_or(|o| o == **r))
+            .map(|(r, _)| *r)
+            .collect();
         for r in ranks {
             if let Some(d) = self.dials.remove(&r) {
                 for w in d.waiters {

@@ -348,7 +348,7 @@ impl Inner {
             let addr = sessions.addr_of(rank);
             sessions.forget(rank);
             if let Some(a) = addr {
-                sessions.fail_dials_to(a, |_| err());
+                sessions.fail_dials_to(a, None, |_| err());
             }
             addr
         };

@@ -191,3 +191,24 @@ fn a_remembered_sender_keeps_its_peer_alive_until_the_tokens_change() {
     assert_ne!(generation.load(Ordering::Acquire), heard.generation);
     assert!(d.hear(token).is_none());
 }
+
+#[test]
+fn a_failed_send_to_a_peer_fails_only_its_dial_at_a_shared_address() {
+    // Ranks 0 and 2 at one address index (2 got the index rank 0's address had before it
+    // left): a failed data send to rank 0 must not fail the dial to rank 2.
+    let now = Instant::now();
+    let mut d = Sessions::new(me(1, 3));
+    d.route(Rank(0), Some(20));
+    d.route(Rank(2), Some(20));
+    let (_, mut to_0) = start(&mut d, now);
+    let Dial::Start(20, _, mut to_2) = d.dial(Rank(2), b"d-name", || now).unwrap() else {
+        panic!("expected a new dial to address 20");
+    };
+    let lost = |r| TransportError::PeerLost(r);
+    d.fail_dials_to(20, Some(Rank(0)), lost);
+    assert!(matches!(to_0.try_recv(), Ok(Err(TransportError::PeerLost(Rank(0))))));
+    assert!(to_2.try_recv().is_err(), "rank 2's dial was failed too");
+    // A handshake message names no peer: every dial to the address fails.
+    d.fail_dials_to(20, None, lost);
+    assert!(matches!(to_2.try_recv(), Ok(Err(TransportError::PeerLost(Rank(2))))));
+}
