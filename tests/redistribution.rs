@@ -470,7 +470,8 @@ fn a_source_dying_during_a_background_move_fails_the_job_naming_it() {
 #[test]
 fn a_source_dying_in_the_middle_of_any_move_fails_the_job_naming_it() {
     // Old rank 3 of 4 leaves in a shrink to 2 and aborts 2 ms into its move of "large"
-    // (64 MiB), blocking or in the background, whichever executor moves it.
+    // (64 MiB), or at its end if sooner, blocking or in the background, whichever
+    // executor moves it.
     for method in ["collective", "p2p", "rma"] {
         for background in [false, true] {
             let case = format!("{method}{}", if background { " in the background" } else { "" });

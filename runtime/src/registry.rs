@@ -466,26 +466,35 @@ impl Plan {
             Aligned::placed(place, len, r.start * elem)
         });
         let moving = mv.run(method, old.bytes, old.pages, block.as_mut());
-        if dies_in_move(t.rank()) {
-            tokio::pin!(moving);
-            tokio::select! {
-                moved = &mut moving => moved?,
-                () = tokio::time::sleep(std::time::Duration::from_millis(2)) => {
-                    eprintln!("ductile: member {} aborts in the middle of a move ({DIE_IN_MOVE_ENV})", t.rank());
-                    std::process::abort();
-                }
-            }
-        } else {
-            moving.await?;
+        if dies_in_move(t.rank()) && global * elem >= DIE_IN_MOVE_BYTES {
+            // A thread of its own, so that the abort comes 2 ms in even while the move
+            // holds this thread in a long write; and an abort at the move's end if it
+            // ended sooner, before this member reports it, so that the change can never
+            // complete (a move that ended within one poll used to win the race).
+            let rank = t.rank();
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(2));
+                die_in_move(rank);
+            });
+            let _ = moving.await;
+            die_in_move(rank);
         }
+        moving.await?;
         Ok(block.unwrap_or_default())
     }
 }
 
-/// Testing knob: the transition member it names aborts 2 ms into the first move of an
-/// item that lasts that long, so that the tests can check that a process dying in the
-/// middle of any executor's move fails the job, naming it, instead of hanging.
+/// Testing knob: the transition member it names aborts 2 ms into its first move of an
+/// item of at least [`DIE_IN_MOVE_BYTES`], or at that move's end if sooner (before it
+/// reports the move), so that the tests can check that a process dying in the middle
+/// of any executor's move fails the job, naming it, instead of hanging.
 const DIE_IN_MOVE_ENV: &str = "DUCTILE_TEST_DIE_IN_MOVE";
+const DIE_IN_MOVE_BYTES: u64 = 16 << 20;
+
+fn die_in_move(member: usize) -> ! {
+    eprintln!("ductile: member {member} aborts in the middle of a move ({DIE_IN_MOVE_ENV})");
+    std::process::abort();
+}
 
 fn dies_in_move(member: usize) -> bool {
     static DIES: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
