@@ -60,6 +60,9 @@ pub enum Error {
     /// A reconfiguration failed (the controller, a peer, or the ranks' registrations).
     #[error("reconfiguration failed: {0}")]
     Reconfigure(String),
+    /// A child job could not be launched (see [`crate::Group::launch`]).
+    #[error("launch failed: {0}")]
+    Launch(String),
     /// A call with arguments that make no sense (documented per call).
     #[error("invalid argument: {0}")]
     Invalid(String),

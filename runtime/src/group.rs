@@ -426,6 +426,21 @@ impl Group {
         Self { timed, inner, handle, spin }
     }
 
+    /// The same group (same context, members and position) with every wait bounded by
+    /// `timeout` instead.
+    pub(crate) fn with_timeout(&self, timeout: Duration) -> Self {
+        let c = &self.timed.core;
+        let core = Core {
+            endpoint: c.endpoint.clone(),
+            ctx: c.ctx,
+            rank: c.rank,
+            members: c.members.clone(),
+            index: c.index.clone(),
+            timeout,
+        };
+        Self::new(AsyncGroup { core: Arc::new(core), timed: true }, self.handle.clone(), self.spin)
+    }
+
     /// Runs an async operation of this group to completion on the calling thread,
     /// bounded by the group's timeout; a timeout names what the call waited for.
     pub(crate) fn block<T, F: std::future::Future<Output = Result<T>>>(&self, f: F) -> Result<T> {

@@ -285,6 +285,7 @@ fn launched(rt: Runtime, env: &EnvSettings, fd: i32) -> Result<Session> {
         }
         other => return Err(Error::Bootstrap(format!("expected the handoff from the agent, got {other:?}"))),
     };
+    crate::launch::set_job_transport(&h.transport);
     let endpoint = match bind(&rt, &h) {
         Ok(e) => e,
         Err(e) => {
