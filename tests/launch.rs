@@ -4,28 +4,9 @@
 
 mod common;
 
-use common::{assert_no_survivors, ductile, ex, tmp, wait_with_timeout};
+use common::{assert_no_survivors, ductile, ex, marked, tmp, wait_with_timeout, MARK};
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
-
-/// Variable every process of a test's job tree inherits, so that the test can find
-/// them (child jobs' processes are not in the parent's report).
-const MARK: &str = "DUCTILE_TEST_LAUNCH_MARK";
-
-/// Pids of running processes whose environment holds `MARK=mark`.
-fn marked(mark: &str) -> Vec<u64> {
-    let needle = format!("{MARK}={mark}");
-    let pids: Vec<u64> = std::fs::read_dir("/proc")
-        .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
-        .unwrap_or_default();
-    pids.into_iter()
-        .filter(|p| common::is_alive(*p))
-        .filter(|p| {
-            std::fs::read(format!("/proc/{p}/environ"))
-                .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
-        })
-        .collect()
-}
 
 /// Runs the ensemble example in a job of `procs` processes on 2 nodes; checks that no
 /// process of the job or of its child jobs is left.

@@ -18,18 +18,22 @@
 
 use crate::output::{forward, Stream};
 use crate::proto::AGENT_VERSION;
-use crate::proto::{AgentHandoff, Exit, FromAgent, Hello, Joining, NodeStarted, RankStarted, SpawnOrder, ToAgent};
+use crate::proto::{
+    Adopt, AgentHandoff, Exit, FromAgent, Hello, Joining, NodeStarted, RankStarted, SpawnOrder, ToAgent,
+};
 use crate::spawn::{signal_pid, spawn_with_channel, Output};
 use anyhow::{bail, Context as _};
 use ductile::bootstrap::{self, nonblocking, FromRank, RankHandoff, ToRank, CONTROL_FD_ENV, HANDOFF_VERSION};
 use ductile_transport::Rank;
 use serde::de::DeserializeOwned;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::AsyncRead;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
 
 /// Time ranks get between SIGTERM and SIGKILL when a node world is ended.
@@ -54,6 +58,17 @@ struct NodeWorld {
     readers: Vec<(Rank, OwnedReadHalf)>,
     forwarders: Vec<JoinHandle<()>>,
     exits: mpsc::UnboundedReceiver<(Rank, Exit)>,
+    /// The rank this agent adopted instead of starting (see [`adopt_rank`]).
+    adopted: Option<Adopted>,
+}
+
+/// An adopted rank: not this agent's child, so its exit status is not ours to read.
+/// It counts as exited 0 if it finalized first (its reader saw `Finalized`), else 1.
+struct Adopted {
+    id: Rank,
+    finalized: Arc<AtomicBool>,
+    /// Told when its control channel has been read to its end.
+    closed: Arc<Notify>,
 }
 
 /// Where the result of a growth goes.
@@ -190,9 +205,14 @@ async fn connect(h: &AgentHandoff, j: &Joining) -> anyhow::Result<(OwnedReadHalf
 
 async fn start_ranks(h: &AgentHandoff) -> anyhow::Result<NodeWorld> {
     let (exit_tx, exits) = mpsc::unbounded_channel();
-    let mut out = NodeWorld { procs: HashMap::new(), readers: Vec::new(), forwarders: Vec::new(), exits };
+    let mut out =
+        NodeWorld { procs: HashMap::new(), readers: Vec::new(), forwarders: Vec::new(), exits, adopted: None };
     for &id in &h.ids {
-        if let Err(e) = start_rank(h, id, &mut out, &exit_tx).await {
+        let started = match &h.adopt {
+            Some(a) => adopt_rank(h, id, a, &mut out, &exit_tx).await,
+            None => start_rank(h, id, &mut out, &exit_tx).await,
+        };
+        if let Err(e) = started {
             end_ranks(&mut out).await;
             return Err(e);
         }
@@ -241,7 +261,20 @@ async fn start_rank(
             bail!("the control channel of {id}: {e}");
         }
     };
-    let handoff = RankHandoff {
+    let handoff = rank_handoff(h, id);
+    // A rank that is not a ductile program never reads this; the write still succeeds
+    // into the socket buffer. A rank that has already exited makes it fail. Either way
+    // the wait for readiness reports what happened to the rank.
+    if let Err(e) = nonblocking::write_msg(&mut w, &ToRank::Handoff(handoff)).await {
+        tracing::debug!("{}: handing {id} its settings failed: {e}", h.node);
+    }
+    out.procs.insert(id, Proc { pid, tx: w });
+    out.readers.push((id, r));
+    Ok(())
+}
+
+fn rank_handoff(h: &AgentHandoff, id: Rank) -> RankHandoff {
+    RankHandoff {
         version: HANDOFF_VERSION,
         job: h.job,
         key: h.key.clone(),
@@ -252,16 +285,62 @@ async fn start_rank(
         joining: h.joining.is_some(),
         redistribution: h.redistribution,
         background: h.background,
-    };
-    // A rank that is not a ductile program never reads this; the write still succeeds
-    // into the socket buffer. A rank that has already exited makes it fail. Either way
-    // the wait for readiness reports what happened to the rank.
-    if let Err(e) = nonblocking::write_msg(&mut w, &ToRank::Handoff(handoff)).await {
-        tracing::debug!("{}: handing {id} its settings failed: {e}", h.node);
     }
-    out.procs.insert(id, Proc { pid, tx: w });
+}
+
+/// Adopts the running process `a` as rank `id` (a program started alone that grows):
+/// connects to its socket, checks that the process there is the one named, hands it
+/// its settings, and watches for its end through a pidfd. Its output stays its own.
+async fn adopt_rank(
+    h: &AgentHandoff,
+    id: Rank,
+    a: &Adopt,
+    out: &mut NodeWorld,
+    exit_tx: &mpsc::UnboundedSender<(Rank, Exit)>,
+) -> anyhow::Result<()> {
+    let limit = Duration::from_millis(h.join_timeout_ms.max(1));
+    let s = tokio::time::timeout(limit, UnixStream::connect(&a.socket))
+        .await
+        .with_context(|| format!("{id}: timed out reaching the process to adopt"))?
+        .with_context(|| format!("{id}: cannot reach the process to adopt at {}", a.socket))?;
+    let peer = s.peer_cred()?.pid().and_then(|p| u32::try_from(p).ok());
+    if peer != Some(a.pid) {
+        bail!("{id}: the process at {} is {peer:?}, not the one to adopt ({})", a.socket, a.pid);
+    }
+    let pidfd = pidfd(a.pid).with_context(|| format!("{id}: cannot watch process {}", a.pid))?;
+    let adopted = Adopted { id, finalized: Arc::new(AtomicBool::new(false)), closed: Arc::new(Notify::new()) };
+    let (finalized, closed, tx) = (adopted.finalized.clone(), adopted.closed.clone(), exit_tx.clone());
+    tokio::spawn(async move {
+        let _ = pidfd.readable().await;
+        // Its last messages (`Finalized`) are read before its exit is judged.
+        let _ = tokio::time::timeout(DRAIN, closed.notified()).await;
+        let exit = if finalized.load(Ordering::Acquire) { Exit::Code(0) } else { Exit::Code(1) };
+        let _ = tx.send((id, exit));
+    });
+    out.adopted = Some(adopted);
+    let (r, mut w) = s.into_split();
+    nonblocking::write_msg(&mut w, &ToRank::Handoff(rank_handoff(h, id))).await?;
+    out.procs.insert(id, Proc { pid: a.pid, tx: w });
     out.readers.push((id, r));
     Ok(())
+}
+
+/// A pidfd of `pid`, readable once the process has ended.
+fn pidfd(pid: u32) -> std::io::Result<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>> {
+    use std::os::fd::FromRawFd;
+    let pid = libc::pid_t::try_from(pid).map_err(std::io::Error::other)?;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, libc::O_NONBLOCK) };
+    let fd = i32::try_from(fd).map_err(std::io::Error::other)?;
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a new descriptor that nothing else owns.
+    let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // SAFETY: the OwnedFd owns its descriptor, which stays open and unchanged until the
+    // AsyncFd (which owns it) is dropped.
+    unsafe { tokio::io::unix::AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE) }
+        .map_err(|e| std::io::Error::other(e.to_string()))
 }
 
 /// Waits for every rank's address (reporting exits on the way), and gives up at once
@@ -356,14 +435,22 @@ impl Supervisor {
         for (id, r) in world.readers.drain(..) {
             let tx = msg_tx.clone();
             let mut rx = reader::<FromRank, _>(r);
+            let adopted =
+                world.adopted.as_ref().filter(|a| a.id == id).map(|a| (a.finalized.clone(), a.closed.clone()));
             tokio::spawn(async move {
                 while let Some(Ok(m)) = rx.recv().await {
+                    if let (Some((finalized, _)), FromRank::Finalized) = (&adopted, &m) {
+                        finalized.store(true, Ordering::Release);
+                    }
                     if let (Some(d), FromRank::Switched { .. }) = (delay, &m) {
                         tokio::time::sleep(d).await;
                     }
                     if tx.send((id, m)).is_err() {
-                        return;
+                        break;
                     }
+                }
+                if let Some((_, closed)) = adopted {
+                    closed.notify_one();
                 }
             });
         }
@@ -550,8 +637,13 @@ async fn start_child(h: &AgentHandoff, o: SpawnOrder) -> Result<(ductile_transpo
     });
     ours.set_nonblocking(true).map_err(|e| fail(e.to_string()))?;
     let (mut rx, mut tx) = UnixStream::from_std(ours).map_err(|e| fail(e.to_string()))?.into_split();
-    let handoff =
-        AgentHandoff { node, ids: o.ids, joining: Some(Joining { token: o.token, spawns: o.spawns }), ..h.clone() };
+    let handoff = AgentHandoff {
+        node,
+        ids: o.ids,
+        joining: Some(Joining { token: o.token, spawns: o.spawns }),
+        adopt: None,
+        ..h.clone()
+    };
     nonblocking::write_msg(&mut tx, &ToAgent::Handoff(handoff)).await.map_err(|e| fail(e.to_string()))?;
     let t = Duration::from_millis(h.join_timeout_ms.max(1));
     match tokio::time::timeout(t, nonblocking::read_msg::<FromAgent>(&mut rx)).await {

@@ -26,7 +26,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run a parallel job on simulated local nodes.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Ask a running job to grow or shrink at its next checkpoint.
     Resize(ResizeArgs),
     /// Internal: the node agent started by `ductile run`.
@@ -104,6 +104,14 @@ pub struct RunArgs {
     /// without starting anything.
     #[arg(long)]
     pub dry_run: bool,
+    /// Internal: adopt the running process that listens on this socket as rank 0
+    /// instead of starting one (how a program started alone grows; see
+    /// `ductile::Session::request_procs`). Needs `-n 1` and `--adopt-pid`.
+    #[arg(long, value_name = "SOCKET", hide = true, requires = "adopt_pid")]
+    pub adopt: Option<PathBuf>,
+    /// Internal: the pid of the process `--adopt` names.
+    #[arg(long, value_name = "PID", hide = true, requires = "adopt")]
+    pub adopt_pid: Option<u32>,
     /// The program and its arguments.
     #[arg(value_name = "PROGRAM", allow_hyphen_values = true)]
     pub command: Vec<String>,
@@ -270,6 +278,13 @@ impl RunArgs {
         if self.fabric_provider.is_some() && self.transport != "fabric" {
             return Err(format!("--fabric-provider needs --transport fabric (this job's is {})", self.transport));
         }
+        let adopt = match (self.adopt, self.adopt_pid) {
+            (Some(socket), Some(pid)) if layout.nodes.len() == 1 && layout.nodes[0].ranks.len() == 1 => {
+                Some(crate::proto::Adopt { socket: socket.display().to_string(), pid })
+            }
+            (Some(_), _) => return Err("--adopt needs a job of one process (-n 1)".into()),
+            _ => None,
+        };
         let mut command = self.command.into_iter();
         let program = command.next().ok_or("no program given (usage: ductile run [OPTIONS] -- PROGRAM [ARGS...])")?;
         if let Some(path) = &self.report {
@@ -304,6 +319,7 @@ impl RunArgs {
             report: self.report,
             redistribution: self.redistribution,
             background: self.background,
+            adopt,
         })
     }
 }

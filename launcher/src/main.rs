@@ -88,7 +88,7 @@ fn main() -> ExitCode {
         }
         Command::Run(args) => {
             let dry = args.dry_run;
-            let spec = match args.into_spec() {
+            let spec = match (*args).into_spec() {
                 Ok(s) => s,
                 Err(e) => {
                     ductile_launcher::say_errln!("ductile: {e}");

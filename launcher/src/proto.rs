@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// Version of the agent handoff.
-pub const AGENT_VERSION: u32 = 6;
+pub const AGENT_VERSION: u32 = 7;
 
 /// Everything an agent needs to start its node world.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -43,6 +43,18 @@ pub struct AgentHandoff {
     pub socket: String,
     /// Set for a node world started by a resize.
     pub joining: Option<Joining>,
+    /// Set for the first node world of a program started alone: its rank is that
+    /// running process, reached through this socket, not a process the agent starts.
+    pub adopt: Option<Adopt>,
+}
+
+/// A running process an agent adopts as its node world's rank.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Adopt {
+    /// The Unix socket the process listens on.
+    pub socket: String,
+    /// Its pid.
+    pub pid: u32,
 }
 
 /// How a node world started by a resize names itself to the controller, and what it

@@ -335,6 +335,38 @@ pub fn take_control(fd: i32) -> Result<UnixStream, String> {
     Ok(stream)
 }
 
+/// The directory of this user's job sockets (the launcher's control sockets, and the
+/// socket a process started alone is adopted through).
+#[must_use]
+pub fn socket_dir() -> std::path::PathBuf {
+    // SAFETY: geteuid cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    std::env::temp_dir().join(format!("ductile-{uid}"))
+}
+
+/// Makes `dir` a directory only this user can enter (mode 0700), or checks that it is.
+///
+/// # Errors
+/// It cannot be made, or it belongs to another user or is not a directory.
+pub fn private_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let meta = std::fs::symlink_metadata(dir)?;
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_dir() || meta.uid() != me {
+        return Err(std::io::Error::other(format!("{} is not a directory of this user", dir.display())));
+    }
+    if meta.permissions().mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -238,7 +238,7 @@ fn cause(failure: &str) -> &str {
 }
 
 /// The launcher binary: `DUCTILE_LAUNCHER`, else `ductile` from `PATH`.
-fn launcher() -> PathBuf {
+pub(crate) fn launcher() -> PathBuf {
     std::env::var_os(LAUNCHER_ENV).map_or_else(|| PathBuf::from("ductile"), PathBuf::from)
 }
 

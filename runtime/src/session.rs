@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 
+mod adopt;
 mod background;
 mod data;
 
@@ -580,6 +581,10 @@ impl Session {
         let timeout = self.timeout;
         let (epoch, count, pending) = (self.membership.epoch, self.count, self.pending);
         let want = self.want.take();
+        if self.control.is_none() && want.is_some_and(|n| n > 1) {
+            // Started alone and asked to grow: become rank 0 of a launched job.
+            self.adopt()?;
+        }
         let Some(c) = self.control.as_mut() else {
             return Ok(Decision::Continue);
         };

@@ -139,3 +139,23 @@ pub fn wait_with_timeout(child: &mut std::process::Child, limit: Duration) -> st
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Variable every process of a test's job tree inherits, so that the test can find
+/// them (child jobs' processes, and the launcher of a process started alone, are in no
+/// report the test reads).
+pub const MARK: &str = "DUCTILE_TEST_LAUNCH_MARK";
+
+/// Pids of running processes whose environment holds `MARK=mark`.
+pub fn marked(mark: &str) -> Vec<u64> {
+    let needle = format!("{MARK}={mark}");
+    let pids: Vec<u64> = std::fs::read_dir("/proc")
+        .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default();
+    pids.into_iter()
+        .filter(|p| is_alive(*p))
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/environ"))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
+        })
+        .collect()
+}

@@ -85,6 +85,8 @@ pub struct JobSpec {
     pub redistribution: ductile::Method,
     /// Constant items move in the background.
     pub background: bool,
+    /// A running process to adopt as rank 0 (a program started alone that grows).
+    pub adopt: Option<crate::proto::Adopt>,
 }
 
 /// One node world, from the controller's side.
@@ -333,6 +335,7 @@ impl Ctl {
             tag_output: self.spec.tag_output,
             socket: self.socket.to_string_lossy().into_owned(),
             joining: None,
+            adopt: None,
         }
     }
 
@@ -345,7 +348,8 @@ impl Ctl {
             drop(theirs);
             ours.set_nonblocking(true)?;
             let (rx, mut tx) = UnixStream::from_std(ours)?.into_split();
-            let h = self.handoff(plan.node, plan.rank_ids().collect());
+            let mut h = self.handoff(plan.node, plan.rank_ids().collect());
+            h.adopt = self.spec.adopt.clone();
             nonblocking::write_msg(&mut tx, &ToAgent::Handoff(h)).await?;
             let idx = self.agents.len();
             watch(&self.events, idx, rx);

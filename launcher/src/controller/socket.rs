@@ -10,7 +10,6 @@ use crate::plan::resize::Target;
 use crate::proto::{Hello, ResizeReply, Token};
 use ductile::bootstrap::nonblocking;
 use ductile_transport::{JobId, NodeId};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -49,9 +48,7 @@ pub enum Arrival {
 /// The directory of this user's job sockets.
 #[must_use]
 pub fn socket_dir() -> PathBuf {
-    // SAFETY: geteuid cannot fail.
-    let uid = unsafe { libc::geteuid() };
-    std::env::temp_dir().join(format!("ductile-{uid}"))
+    ductile::bootstrap::socket_dir()
 }
 
 /// The socket of job `job`.
@@ -61,21 +58,7 @@ pub fn socket_path(job: JobId) -> PathBuf {
 }
 
 fn private_dir(dir: &Path) -> std::io::Result<()> {
-    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(e),
-    }
-    let meta = std::fs::symlink_metadata(dir)?;
-    // SAFETY: geteuid cannot fail.
-    let me = unsafe { libc::geteuid() };
-    if !meta.is_dir() || meta.uid() != me {
-        return Err(std::io::Error::other(format!("{} is not a directory of this user", dir.display())));
-    }
-    if meta.permissions().mode() & 0o077 != 0 {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
-    }
-    Ok(())
+    ductile::bootstrap::private_dir(dir)
 }
 
 /// Removes the sockets in `dir` of jobs whose controller is gone: one killed with
