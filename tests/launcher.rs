@@ -120,6 +120,8 @@ fn bad_command_lines_get_one_clear_line() {
         (&["run", "-n", "2", "--hostfile", "hosts", "true"], "unknown option --hostfile"),
         (&["run", "--report", "/nonexistent-dir/r.json", "--", "true"], "/nonexistent-dir is not a directory"),
         (&["run", "--report", "/tmp", "--", "true"], "cannot write the report to /tmp: it is a directory"),
+        (&["run", "-n", "2", "--adopt", "/tmp/s", "--adopt-pid", "1", "--", "true"], "--adopt needs a job of one"),
+        (&["run", "-n", "1", "--adopt", "/tmp/s", "--", "true"], "--adopt-pid <PID>"),
     ];
     for (args, want) in cases {
         let out = run(args);
