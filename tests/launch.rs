@@ -41,8 +41,15 @@ fn every_member_gets_the_child_jobs_status_and_failed_tasks_are_retried() {
         assert!(stdout.contains(&format!("ensemble: job: task {task} attempt 1: status 0\n")), "{stdout}");
     }
     assert!(stdout.contains("ensemble: job: 2 of 2 tasks succeeded"), "{stdout}");
-    // Four child jobs, each with a job id of its own besides the parent's.
-    assert_eq!(stderr.matches("control socket").count(), 5, "{stderr}");
+    // Child jobs run quietly: only the parent job's id and socket are printed.
+    assert_eq!(stderr.matches("control socket").count(), 1, "{stderr}");
+    // Their report files were memfds: nothing named after a launch is left on disk.
+    let left: Vec<_> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("ductile-launch-"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }
 
 #[test]
@@ -131,6 +138,34 @@ fn ending_the_parent_job_mid_launch_ends_its_child_jobs() {
     assert_eq!(status.code(), Some(143));
     assert_no_survivors(&report);
     let deadline = Instant::now() + Duration::from_secs(10);
+    while !marked(&mark).is_empty() {
+        assert!(Instant::now() < deadline, "processes of the child job left running: {:?}", marked(&mark));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_parent_started_alone_that_is_killed_mid_launch_takes_its_child_job_with_it() {
+    // Started without `ductile run`: nothing but the child launcher's parent-death
+    // signal can end the child job when the parent dies.
+    let mark = format!("{}-alone-killed", std::process::id());
+    let mut parent = std::process::Command::new(ex("ensemble"))
+        .args(["--tasks", "1", "--fail-attempts", "1", "--fail-how", "hang", "--timeout", "100"])
+        .env("DUCTILE_LAUNCHER", ductile_suite::paths::ductile_bin())
+        .env(MARK, &mark)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start ensemble");
+    // The parent, the child launcher, its agent and its rank.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while marked(&mark).len() < 4 {
+        assert!(Instant::now() < deadline, "the child job did not come up: {:?}", marked(&mark));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    parent.kill().unwrap();
+    let _ = wait_with_timeout(&mut parent, Duration::from_secs(10));
+    let deadline = Instant::now() + Duration::from_secs(15);
     while !marked(&mark).is_empty() {
         assert!(Instant::now() < deadline, "processes of the child job left running: {:?}", marked(&mark));
         std::thread::sleep(Duration::from_millis(50));

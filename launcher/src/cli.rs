@@ -74,6 +74,10 @@ pub struct RunArgs {
     /// Prefix every output line with `[rank]`.
     #[arg(long)]
     pub tag_output: bool,
+    /// Do not print the job's id and control socket at start (child jobs of
+    /// `Group::launch` run so).
+    #[arg(long)]
+    pub quiet: bool,
     /// End the job after this many seconds (exit code 124); waits inside ranks are bounded by it too (plus 10 s).
     #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..=MAX_SECS))]
     pub timeout: Option<u64>,
@@ -217,6 +221,19 @@ pub fn resolve_program(name: &str) -> Result<PathBuf, String> {
 /// Fails unless the report can be written at `path` when the job ends (a long job must
 /// not lose its report to a typo): an existing file must be writable, else its directory
 /// must exist and be writable.
+/// A report path naming one of this process's descriptors (`/dev/fd/N`, how
+/// `Group::launch` hands its child launcher a `memfd`): kept from the job's processes,
+/// which would otherwise inherit it. Reopening it by path still works.
+pub fn keep_report_fd_private(path: &Path) {
+    let fd = path.to_str().and_then(|p| p.strip_prefix("/dev/fd/").or_else(|| p.strip_prefix("/proc/self/fd/")));
+    if let Some(fd) = fd.and_then(|n| n.parse::<i32>().ok()).filter(|&fd| fd > 2) {
+        // SAFETY: fcntl on a descriptor number; an unopened one only makes it fail.
+        unsafe {
+            libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+        }
+    }
+}
+
 fn check_report_path(path: &Path) -> Result<(), String> {
     use nix::unistd::{access, AccessFlags};
     let cannot = |why: String| Err(format!("cannot write the report to {}: {why}", path.display()));
@@ -320,6 +337,7 @@ impl RunArgs {
             redistribution: self.redistribution,
             background: self.background,
             adopt,
+            quiet: self.quiet,
         })
     }
 }

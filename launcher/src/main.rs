@@ -95,6 +95,9 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
+            if let Some(r) = &spec.report {
+                ductile_launcher::cli::keep_report_fd_private(r);
+            }
             if dry {
                 ductile_launcher::say!("{}", preview(&spec));
                 return ExitCode::SUCCESS;

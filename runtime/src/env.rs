@@ -12,6 +12,7 @@
 //! | `DUCTILE_PAGE_RECYCLE` | `0`: moves over tcp fault in fresh pages for every new block instead of reusing the pages of the old one (see `anon`) | `1` |
 //! | `DUCTILE_MALLOC_TUNING` | `0` leaves glibc's allocator settings alone (see `init`) | `1` |
 //! | `DUCTILE_CONTROL_FD` | set by the agent: the control channel's descriptor | unset (standalone) |
+//! | `DUCTILE_LAUNCHER` | the `ductile` binary that child jobs (`Group::launch`) and the growth of a process started alone run; set by the agent to its own | `ductile` from `PATH` |
 
 use std::time::Duration;
 

@@ -62,7 +62,7 @@ pub enum Error {
     Reconfigure(String),
     /// A child job could not be launched (see [`crate::Group::launch`]).
     #[error("launch failed: {0}")]
-    Launch(String),
+    Launch(#[from] crate::launch::LaunchError),
     /// A call with arguments that make no sense (documented per call).
     #[error("invalid argument: {0}")]
     Invalid(String),

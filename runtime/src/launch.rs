@@ -16,16 +16,27 @@
 //! failing rank is often a child ended by the launcher (143), not the cause.
 //!
 //! The launcher is the `ductile` binary that started this process (the agent passes
-//! its path in `DUCTILE_LAUNCHER`), else `ductile` from `PATH`.
+//! its path in `DUCTILE_LAUNCHER`), else `ductile` from `PATH`. The children must be
+//! ductile programs (they call `ductile::init`), as under `ductile run`.
+//!
+//! Where DESIGN.md has each member's agent start its member's child on the member's
+//! node, here the child job's own launcher starts them, on simulated nodes of its own:
+//! with every simulated node on one host the placement is the same, and the child job
+//! gets the launcher's guarantees (its own fences, exit codes, timeouts and clean-up)
+//! without the agents serving two jobs.
+//!
+//! The child launcher's report comes back through a `memfd` it inherits
+//! (`--report /dev/fd/N`), so nothing is left on disk if the first member dies.
 
 use crate::bootstrap::{TransportSpec, CONTROL_FD_ENV};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::group::Group;
 use crate::reduce::ReduceOp;
 use serde::{Deserialize, Serialize};
+use std::io::{Read, Seek};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -38,13 +49,13 @@ pub const LAUNCH_TIMEOUT_EXIT: i32 = 124;
 const LAUNCH_MARGIN: Duration = Duration::from_secs(15);
 /// Between SIGTERM and SIGKILL of a child launcher that outlived the margin.
 const KILL_GRACE: Duration = Duration::from_secs(5);
-/// Default timeout of a child job.
-const DEFAULT_LAUNCH_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default timeout of a child job, seconds.
+const DEFAULT_LAUNCH_SECS: u64 = 300;
+/// Longest timeout of a child job, seconds (as `ductile run --timeout`: 366 days).
+pub const MAX_LAUNCH_SECS: u64 = 366 * 24 * 3600;
 
 /// The transport of this process's job, which child jobs use too unless told otherwise.
 static TRANSPORT: OnceLock<TransportSpec> = OnceLock::new();
-/// Numbers the report files of this process's child jobs.
-static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 /// Records the job's transport (once, at `init`).
 pub(crate) fn set_job_transport(spec: &TransportSpec) {
@@ -58,7 +69,7 @@ pub struct Launch {
     program: String,
     args: Vec<String>,
     env: Vec<(String, String)>,
-    timeout_ms: u64,
+    timeout_secs: u64,
     transport: Option<TransportSpec>,
 }
 
@@ -71,7 +82,7 @@ impl Launch {
             program: program.into(),
             args: Vec::new(),
             env: Vec::new(),
-            timeout_ms: duration_ms(DEFAULT_LAUNCH_TIMEOUT),
+            timeout_secs: DEFAULT_LAUNCH_SECS,
             transport: None,
         }
     }
@@ -98,11 +109,11 @@ impl Launch {
         self
     }
 
-    /// The child job's time limit (whole seconds, at least 1; rounded up): past it the
-    /// child job is ended and the status is 124.
+    /// The child job's time limit, rounded up to whole seconds (1 to 366 days): past it
+    /// the child job is ended and the status is 124.
     #[must_use]
     pub fn timeout(mut self, t: Duration) -> Self {
-        self.timeout_ms = duration_ms(t);
+        self.timeout_secs = t.as_secs().saturating_add(u64::from(t.subsec_nanos() > 0));
         self
     }
 
@@ -114,29 +125,50 @@ impl Launch {
     }
 
     fn timeout_secs(&self) -> u64 {
-        self.timeout_ms.div_ceil(1000)
+        self.timeout_secs
     }
 
     fn check(&self) -> std::result::Result<(), String> {
         if self.program.is_empty() {
             return Err("the program is empty".into());
         }
-        if self.timeout_ms == 0 {
-            return Err("the timeout must be at least 1 s".into());
+        if !(1..=MAX_LAUNCH_SECS).contains(&self.timeout_secs) {
+            return Err(format!("the timeout must be 1 to {MAX_LAUNCH_SECS} s, not {} s", self.timeout_secs));
         }
-        if let Some((k, _)) = self.env.iter().find(|(k, _)| k.is_empty() || k.contains('=') || k.contains('\0')) {
+        if let Some((k, _)) = self.env.iter().find(|(k, _)| k.is_empty() || k.contains('=')) {
             return Err(format!("{k:?} is not an environment variable name"));
+        }
+        let texts = std::iter::once(&self.program).chain(&self.args).chain(self.env.iter().flat_map(|(k, v)| [k, v]));
+        if let Some(t) = texts.into_iter().find(|t| t.contains('\0')) {
+            return Err(format!("{t:?} holds a NUL byte"));
         }
         Ok(())
     }
 }
 
-fn duration_ms(t: Duration) -> u64 {
-    u64::try_from(t.as_millis()).unwrap_or(u64::MAX)
+/// Why a launch failed; every member of the group gets the same.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[non_exhaustive]
+pub enum LaunchError {
+    /// Members asked for different child jobs.
+    #[error("member {member} of the group asked for a different child job than member 0 ({program})")]
+    Differs {
+        /// The lowest member that differs from member 0.
+        member: u64,
+        /// Member 0's program.
+        program: String,
+    },
+    /// The launch makes no sense (an empty program, a timeout out of range, ...).
+    #[error("invalid launch: {0}")]
+    Invalid(String),
+    /// The launcher could not be started, or did not run the child job.
+    #[error("{0}")]
+    Launcher(String),
 }
 
 /// How a child job ended, the same on every member of the launching group.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct LaunchStatus {
     /// 0 if every child exited 0; else the first failing child's code (128 + N for
     /// signal N), or 124 if the child job ran past its timeout.
@@ -171,64 +203,96 @@ impl Group {
     /// cannot be started, or the group's messages fail. Members that do not get the
     /// outcome within the child's timeout plus a margin time out.
     pub fn launch(&self, what: &Launch) -> Result<LaunchStatus> {
+        let _span = tracing::debug_span!("launch", program = %what.program, members = self.size()).entered();
         let mut first = what.clone();
         self.broadcast_value(0, &mut first)?;
         let mine = if first == *what { u64::MAX } else { self.rank() as u64 };
         let differs = self.allreduce(&[mine], ReduceOp::Min)?[0];
         if differs != u64::MAX {
-            return Err(Error::Launch(format!(
-                "member {differs} of the group asked for a different child job than member 0 ({})",
-                first.program
-            )));
+            return Err(LaunchError::Differs { member: differs, program: first.program }.into());
         }
-        if let Err(why) = first.check() {
-            return Err(Error::Launch(why));
-        }
-        let mut outcome: std::result::Result<LaunchStatus, String> =
-            if self.rank() == 0 { run_child(&launcher(), &first, self.size()) } else { Err(String::new()) };
-        let wait = Duration::from_secs(first.timeout_secs()) + LAUNCH_MARGIN + KILL_GRACE + self.as_async().timeout();
+        first.check().map_err(LaunchError::Invalid)?;
+        let mut outcome: std::result::Result<LaunchStatus, LaunchError> = if self.rank() == 0 {
+            run_child(&launcher(), &first, self.size())
+        } else {
+            Err(LaunchError::Launcher(String::new()))
+        };
+        let wait = Duration::from_secs(first.timeout_secs() + LAUNCH_MARGIN.as_secs() + KILL_GRACE.as_secs())
+            + self.as_async().timeout();
         self.with_timeout(wait).broadcast_value(0, &mut outcome)?;
-        outcome.map_err(Error::Launch)
+        tracing::debug!("child job of {} ended: {outcome:?}", first.program);
+        Ok(outcome?)
     }
 }
 
 /// The first member's part: runs the child launcher to its end.
-fn run_child(launcher: &std::path::Path, what: &Launch, size: usize) -> std::result::Result<LaunchStatus, String> {
-    let n = LAUNCHES.fetch_add(1, Ordering::Relaxed);
-    let report = std::env::temp_dir().join(format!("ductile-launch-{}-{n}.json", std::process::id()));
-    let _ = std::fs::remove_file(&report);
-    let mut cmd = child_command(launcher, what, size, &report);
-    let mut child = spawn_tied(&mut cmd).map_err(|e| {
-        format!("cannot start the launcher {}: {e} (set {LAUNCHER_ENV} to the ductile binary)", launcher.display())
+fn run_child(launcher: &std::path::Path, what: &Launch, size: usize) -> std::result::Result<LaunchStatus, LaunchError> {
+    let who = launcher.display();
+    let mut report = ReportFd::new().map_err(|e| LaunchError::Launcher(format!("cannot make its report file: {e}")))?;
+    let mut cmd = child_command(launcher, what, size, &report.path());
+    let mut child = spawn_tied(&mut cmd, Some(report.raw())).map_err(|e| {
+        LaunchError::Launcher(format!(
+            "cannot start the launcher {who}: {e} (set {LAUNCHER_ENV} to the ductile binary)"
+        ))
     })?;
-    let limit = Duration::from_secs(what.timeout_secs()) + LAUNCH_MARGIN;
-    let status = match wait_until(&mut child, Instant::now() + limit) {
-        Some(s) => s,
-        None => {
-            end_child(&mut child);
-            let _ = std::fs::remove_file(&report);
-            return Ok(LaunchStatus {
-                code: LAUNCH_TIMEOUT_EXIT,
-                failure: Some(format!("the child job did not end within {} s; ended it", limit.as_secs())),
-            });
-        }
+    let watch = Watch::new(&child);
+    let limit = Duration::from_secs(what.timeout_secs() + LAUNCH_MARGIN.as_secs());
+    let Some(status) = watch.wait(&mut child, Instant::now() + limit) else {
+        watch.end(&mut child);
+        return Ok(LaunchStatus {
+            code: LAUNCH_TIMEOUT_EXIT,
+            failure: Some(format!("the child job did not end within {} s; ended it", limit.as_secs())),
+        });
     };
-    let written = std::fs::read_to_string(&report).ok();
-    let _ = std::fs::remove_file(&report);
-    let code = exit_code(status);
-    let Some(text) = written else {
+    let Some(doc) = report.read().and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok()) else {
         // No report: the launcher refused the job before starting it (a program it
-        // cannot find, a bad option); its own message is on the first member's
-        // standard error.
-        return Err(format!(
-            "the launcher {} did not run the child job (it exited with {code}; its message is above)",
-            launcher.display()
-        ));
+        // cannot find, a bad option), or died.
+        return Err(LaunchError::Launcher(match status.map(|s| (s.code(), exit_code(s))) {
+            Some((None, code)) => format!("the launcher {who} was killed by signal {}", code - 128),
+            Some((Some(code), _)) => format!(
+                "the launcher {who} did not run the child job (it exited with {code}; its message is on the \
+                 standard error of the group's first member)"
+            ),
+            None => format!("the launcher {who} ended without a report, and its exit status was taken elsewhere"),
+        }));
     };
-    let failure = serde_json::from_str::<serde_json::Value>(&text)
-        .ok()
-        .and_then(|v| v["failure"].as_str().map(|f| cause(f).to_string()));
-    Ok(LaunchStatus { code, failure })
+    // The launcher's own exit status, else (reaped elsewhere: SIGCHLD ignored) the
+    // report's copy of it.
+    let code = status.map(exit_code).or_else(|| doc["exit_code"].as_i64().and_then(|c| i32::try_from(c).ok()));
+    let failure = doc["failure"].as_str().map(|f| cause(f).to_string());
+    Ok(LaunchStatus { code: code.unwrap_or(1), failure })
+}
+
+/// The child launcher's report: a `memfd` it writes through `/dev/fd/N`, so that no file
+/// outlives this process.
+struct ReportFd(std::fs::File);
+
+impl ReportFd {
+    fn new() -> std::io::Result<Self> {
+        // SAFETY: memfd_create with a NUL-terminated name; a valid fd it returns is ours.
+        let fd = unsafe { libc::memfd_create(c"ductile-launch-report".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a new descriptor that nothing else owns.
+        Ok(Self(std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) })))
+    }
+
+    fn raw(&self) -> i32 {
+        self.0.as_raw_fd()
+    }
+
+    fn path(&self) -> String {
+        format!("/dev/fd/{}", self.raw())
+    }
+
+    /// What the launcher wrote, if anything.
+    fn read(&mut self) -> Option<String> {
+        let mut text = String::new();
+        self.0.rewind().ok()?;
+        self.0.read_to_string(&mut text).ok()?;
+        Some(text).filter(|t| !t.is_empty())
+    }
 }
 
 /// A child launcher's reason for ending its job, without what it did about it ("rank 1
@@ -242,11 +306,11 @@ pub(crate) fn launcher() -> PathBuf {
     std::env::var_os(LAUNCHER_ENV).map_or_else(|| PathBuf::from("ductile"), PathBuf::from)
 }
 
-fn child_command(launcher: &std::path::Path, what: &Launch, size: usize, report: &std::path::Path) -> Command {
+fn child_command(launcher: &std::path::Path, what: &Launch, size: usize, report: &str) -> Command {
     let n = size.to_string();
     let mut cmd = Command::new(launcher);
-    cmd.args(["run", "-n", &n, "--nodes", &n, "--slots", "1", "--timeout", &what.timeout_secs().to_string()]);
-    cmd.arg("--report").arg(report);
+    cmd.args(["run", "--quiet", "-n", &n, "--nodes", &n, "--slots", "1"]);
+    cmd.args(["--timeout", &what.timeout_secs().to_string(), "--report", report]);
     if let Some(spec) = what.transport.as_ref().or_else(|| TRANSPORT.get()) {
         cmd.args(["--transport", &spec.name]);
         if let Some(p) = &spec.fabric_provider {
@@ -260,14 +324,19 @@ fn child_command(launcher: &std::path::Path, what: &Launch, size: usize, report:
 
 /// Spawns `cmd` so that it gets SIGTERM if this thread ends first (the calling thread
 /// waits for it, so that is when this process dies): the child launcher then ends the
-/// child job instead of leaving it behind.
-fn spawn_tied(cmd: &mut Command) -> std::io::Result<Child> {
+/// child job instead of leaving it behind. `keep`: a descriptor it inherits.
+fn spawn_tied(cmd: &mut Command, keep: Option<i32>) -> std::io::Result<Child> {
     use std::os::unix::process::CommandExt;
     let parent = std::process::id();
     // SAFETY: the closure runs in the forked child before exec and calls only
-    // async-signal-safe functions (prctl, getppid).
+    // async-signal-safe functions (fcntl, prctl, getppid).
     unsafe {
         cmd.pre_exec(move || {
+            if let Some(fd) = keep {
+                if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -281,51 +350,70 @@ fn spawn_tied(cmd: &mut Command) -> std::io::Result<Child> {
     cmd.spawn()
 }
 
-/// Waits for `child` until `deadline`; `None` if it is still running then. Sleeps in
-/// `poll` on a pidfd, which wakes the moment the child ends (a child job can take less
-/// than 10 ms), or in naps of 2 ms where the kernel has no pidfds.
-fn wait_until(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-    let pid = libc::pid_t::try_from(child.id()).ok()?;
-    // SAFETY: pidfd_open on our own unreaped child; a valid fd it returns is ours to own.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    // SAFETY: `fd` is a new descriptor nothing else owns.
-    let pidfd = i32::try_from(fd).ok().filter(|&fd| fd >= 0).map(|fd| unsafe { OwnedFd::from_raw_fd(fd) });
-    loop {
-        match child.try_wait() {
-            Ok(Some(s)) => return Some(s),
-            Ok(None) => {}
-            // Not ours to wait for any more (cannot happen for a child we spawned).
-            Err(_) => return None,
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return None;
-        }
-        match &pidfd {
-            Some(fd) => {
-                let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-                let ms = libc::c_int::try_from(left.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
-                // SAFETY: one valid pollfd for the duration of the call.
-                unsafe { libc::poll(&raw mut p, 1, ms) };
-            }
-            None => std::thread::sleep(left.min(Duration::from_millis(2))),
-        }
-    }
-}
+/// Watches a child through a pidfd, where the kernel has them: `poll` wakes the moment
+/// it ends (a child job can take less than 10 ms), and signals go to it even if
+/// another waiter reaped it (SIGCHLD ignored), never to a process that reused its pid.
+struct Watch(Option<OwnedFd>);
 
-/// Ends a child launcher that outlived its limit: SIGTERM (it ends its job), then
-/// SIGKILL after a grace period (its agents and ranks die with it).
-fn end_child(child: &mut Child) {
-    if let Ok(pid) = i32::try_from(child.id()) {
-        // SAFETY: kill(2) on our own child's pid, which we have not reaped yet.
-        unsafe {
-            libc::kill(pid, libc::SIGTERM);
+impl Watch {
+    fn new(child: &Child) -> Self {
+        let Ok(pid) = libc::pid_t::try_from(child.id()) else { return Self(None) };
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        // SAFETY: a non-negative result is a new descriptor that nothing else owns.
+        Self(i32::try_from(fd).ok().filter(|&fd| fd >= 0).map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Waits for the child until `deadline`: `None` if it is still running then, else
+    /// its status (`Some(None)` if another waiter took it).
+    fn wait(&self, child: &mut Child, deadline: Instant) -> Option<Option<ExitStatus>> {
+        loop {
+            match child.try_wait() {
+                Ok(Some(s)) => return Some(Some(s)),
+                Ok(None) => {}
+                // ECHILD: reaped already (SIGCHLD ignored), so it has ended.
+                Err(_) => return Some(None),
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            match &self.0 {
+                Some(fd) => {
+                    let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                    let ms = libc::c_int::try_from(left.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
+                    // SAFETY: one valid pollfd for the duration of the call.
+                    unsafe { libc::poll(&raw mut p, 1, ms) };
+                }
+                None => std::thread::sleep(left.min(Duration::from_millis(2))),
+            }
         }
     }
-    if wait_until(child, Instant::now() + KILL_GRACE).is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
+
+    fn signal(&self, child: &mut Child, sig: i32) {
+        match &self.0 {
+            // SAFETY: pidfd_send_signal on our pidfd, with no siginfo.
+            Some(fd) => unsafe {
+                libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), sig, std::ptr::null::<()>(), 0);
+            },
+            // Without a pidfd, only a child not yet reaped: its pid is still its own.
+            None => {
+                if let (Ok(None), Ok(pid)) = (child.try_wait(), libc::pid_t::try_from(child.id())) {
+                    // SAFETY: kill(2) on our own unreaped child.
+                    unsafe { libc::kill(pid, sig) };
+                }
+            }
+        }
+    }
+
+    /// Ends a child launcher that outlived its limit: SIGTERM (it ends its job), then
+    /// SIGKILL after a grace period (its agents and ranks die with it).
+    fn end(&self, child: &mut Child) {
+        self.signal(child, libc::SIGTERM);
+        if self.wait(child, Instant::now() + KILL_GRACE).is_none() {
+            self.signal(child, libc::SIGKILL);
+            let _ = self.wait(child, Instant::now() + KILL_GRACE);
+        }
     }
 }
 
@@ -343,9 +431,15 @@ mod tests {
         assert!(Launch::new("x").check().is_ok());
         assert!(Launch::new("").check().is_err());
         assert!(Launch::new("x").timeout(Duration::ZERO).check().is_err());
+        assert!(Launch::new("x").timeout(Duration::MAX).check().is_err());
+        assert!(Launch::new("x").timeout(Duration::from_secs(MAX_LAUNCH_SECS + 1)).check().is_err());
+        assert!(Launch::new("x").timeout(Duration::from_secs(MAX_LAUNCH_SECS)).check().is_ok());
         assert!(Launch::new("x").env("A=B", "c").check().is_err());
         assert!(Launch::new("x").env("", "c").check().is_err());
+        assert!(Launch::new("x").arg("a\0b").check().is_err());
+        assert!(Launch::new("x").env("K", "v\0").check().is_err());
         assert_eq!(Launch::new("x").timeout(Duration::from_millis(1500)).timeout_secs(), 2);
+        assert_eq!(Launch::new("x").timeout(Duration::from_micros(1)).timeout_secs(), 1);
     }
 
     #[test]
@@ -355,15 +449,23 @@ mod tests {
             .env("K", "V")
             .timeout(Duration::from_secs(7))
             .transport(TransportSpec { name: "fabric".into(), fabric_provider: Some("shm".into()) });
-        let cmd = child_command(std::path::Path::new("/bin/ductile"), &what, 3, std::path::Path::new("/tmp/r.json"));
+        let cmd = child_command(std::path::Path::new("/bin/ductile"), &what, 3, "/dev/fd/9");
         let args: Vec<_> = cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
-        let want = "run -n 3 --nodes 3 --slots 1 --timeout 7 --report /tmp/r.json --transport fabric \
+        let want = "run --quiet -n 3 --nodes 3 --slots 1 --timeout 7 --report /dev/fd/9 --transport fabric \
                     --fabric-provider shm -- prog a";
         assert_eq!(args[..args.len() - 1].join(" "), want);
         assert_eq!(args.last().map(String::as_str), Some("b c"));
         let envs: Vec<_> = cmd.get_envs().collect();
         assert!(envs.contains(&(std::ffi::OsStr::new("K"), Some(std::ffi::OsStr::new("V")))));
         assert!(envs.contains(&(std::ffi::OsStr::new(CONTROL_FD_ENV), None)));
+    }
+
+    #[test]
+    fn a_report_written_through_its_fd_path_is_read_back() {
+        let mut r = ReportFd::new().unwrap();
+        assert_eq!(r.read(), None);
+        std::fs::write(r.path(), "{\"exit_code\": 3}").unwrap();
+        assert_eq!(r.read().as_deref(), Some("{\"exit_code\": 3}"));
     }
 
     #[test]
@@ -375,10 +477,20 @@ mod tests {
 
     #[test]
     fn a_launcher_that_cannot_start_is_an_error_naming_it() {
-        let e = run_child(std::path::Path::new("/nonexistent/ductile"), &Launch::new("true"), 1).unwrap_err();
+        let e =
+            run_child(std::path::Path::new("/nonexistent/ductile"), &Launch::new("true"), 1).unwrap_err().to_string();
         assert!(e.contains("/nonexistent/ductile") && e.contains(LAUNCHER_ENV), "{e}");
         // A launcher that runs but refuses the job writes no report.
-        let e = run_child(std::path::Path::new("false"), &Launch::new("true"), 1).unwrap_err();
+        let e = run_child(std::path::Path::new("false"), &Launch::new("true"), 1).unwrap_err().to_string();
         assert!(e.contains("did not run the child job") && e.contains("exited with 1"), "{e}");
+        // One killed by a signal says so.
+        let dir = std::env::temp_dir().join(format!("ductile-launch-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let killer = dir.join("launcher");
+        std::fs::write(&killer, "#!/bin/sh\nkill -9 $$\n").unwrap();
+        std::fs::set_permissions(&killer, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+        let e = run_child(&killer, &Launch::new("true"), 1).unwrap_err().to_string();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(e.contains("was killed by signal 9"), "{e}");
     }
 }

@@ -46,7 +46,7 @@ pub use ductile_redistrib::block_range;
 pub use ductile_transport::{JobId, Landing, NodeId, Part, WindowId};
 pub use error::{Error, Result};
 pub use group::{AsyncGroup, Group, Status};
-pub use launch::{Launch, LaunchStatus, LAUNCHER_ENV, LAUNCH_TIMEOUT_EXIT};
+pub use launch::{Launch, LaunchError, LaunchStatus, LAUNCHER_ENV, LAUNCH_TIMEOUT_EXIT, MAX_LAUNCH_SECS};
 pub use pset::ProcessSet;
 pub use redistribute::Method;
 pub use reduce::{ReduceOp, Reducible};

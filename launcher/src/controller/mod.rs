@@ -87,6 +87,8 @@ pub struct JobSpec {
     pub background: bool,
     /// A running process to adopt as rank 0 (a program started alone that grows).
     pub adopt: Option<crate::proto::Adopt>,
+    /// Do not print the job's id and control socket at start.
+    pub quiet: bool,
 }
 
 /// One node world, from the controller's side.
@@ -266,7 +268,9 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
             }
         }
     });
-    crate::say_errln!("ductile: job {job}, control socket {}", socket.display());
+    if !spec.quiet {
+        crate::say_errln!("ductile: job {job}, control socket {}", socket.display());
+    }
     let nodes: Vec<NodeId> = spec.layout.nodes.iter().flat_map(|n| n.ranks.clone().map(move |_| n.node)).collect();
     let state = JobState::initial(nodes, Vec::new(), spec.slots.clone());
     let policy = policy::build(&spec.policy, spec.period, spec.bounds);
