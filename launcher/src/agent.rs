@@ -27,9 +27,11 @@ use ductile::bootstrap::{self, nonblocking, FromRank, RankHandoff, ToRank, CONTR
 use ductile_transport::Rank;
 use serde::de::DeserializeOwned;
 use std::collections::{BTreeMap, HashMap};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::io::unix::AsyncFd;
 use tokio::io::AsyncRead;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
@@ -51,6 +53,21 @@ const SWITCH_RELAY_DELAY_ENV: &str = "DUCTILE_TEST_SWITCH_RELAY_DELAY_MS";
 struct Proc {
     pid: u32,
     tx: OwnedWriteHalf,
+    /// Set for an adopted process, which is signalled through it: not being our
+    /// child, its pid could be reaped by its parent and reused.
+    pidfd: Option<Arc<AsyncFd<OwnedFd>>>,
+}
+
+impl Proc {
+    fn signal(&self, sig: i32) {
+        match &self.pidfd {
+            // SAFETY: pidfd_send_signal on a pidfd we own, with no siginfo.
+            Some(fd) => unsafe {
+                libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), sig, std::ptr::null::<()>(), 0);
+            },
+            None => signal_pid(self.pid, sig),
+        }
+    }
 }
 
 struct NodeWorld {
@@ -268,7 +285,7 @@ async fn start_rank(
     if let Err(e) = nonblocking::write_msg(&mut w, &ToRank::Handoff(handoff)).await {
         tracing::debug!("{}: handing {id} its settings failed: {e}", h.node);
     }
-    out.procs.insert(id, Proc { pid, tx: w });
+    out.procs.insert(id, Proc { pid, tx: w, pidfd: None });
     out.readers.push((id, r));
     Ok(())
 }
@@ -307,26 +324,33 @@ async fn adopt_rank(
     if peer != Some(a.pid) {
         bail!("{id}: the process at {} is {peer:?}, not the one to adopt ({})", a.socket, a.pid);
     }
-    let pidfd = pidfd(a.pid).with_context(|| format!("{id}: cannot watch process {}", a.pid))?;
+    let pidfd = Arc::new(pidfd(a.pid).with_context(|| format!("{id}: cannot watch process {}", a.pid))?);
     let adopted = Adopted { id, finalized: Arc::new(AtomicBool::new(false)), closed: Arc::new(Notify::new()) };
     let (finalized, closed, tx) = (adopted.finalized.clone(), adopted.closed.clone(), exit_tx.clone());
+    let watched = pidfd.clone();
     tokio::spawn(async move {
-        let _ = pidfd.readable().await;
-        // Its last messages (`Finalized`) are read before its exit is judged.
-        let _ = tokio::time::timeout(DRAIN, closed.notified()).await;
-        let exit = if finalized.load(Ordering::Acquire) { Exit::Code(0) } else { Exit::Code(1) };
+        // Its part ends when it closes its channel (at `finalize`, or as it exits): it
+        // may live on, and its launcher waits for the job to end.
+        tokio::select! {
+            () = closed.notified() => {}
+            _ = watched.readable() => {
+                // Its last messages (`Finalized`) are read before its end is judged.
+                let _ = tokio::time::timeout(DRAIN, closed.notified()).await;
+            }
+        }
+        let exit = if finalized.load(Ordering::Acquire) { Exit::Code(0) } else { Exit::Left };
         let _ = tx.send((id, exit));
     });
     out.adopted = Some(adopted);
     let (r, mut w) = s.into_split();
     nonblocking::write_msg(&mut w, &ToRank::Handoff(rank_handoff(h, id))).await?;
-    out.procs.insert(id, Proc { pid: a.pid, tx: w });
+    out.procs.insert(id, Proc { pid: a.pid, tx: w, pidfd: Some(pidfd) });
     out.readers.push((id, r));
     Ok(())
 }
 
 /// A pidfd of `pid`, readable once the process has ended.
-fn pidfd(pid: u32) -> std::io::Result<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>> {
+fn pidfd(pid: u32) -> std::io::Result<AsyncFd<OwnedFd>> {
     use std::os::fd::FromRawFd;
     let pid = libc::pid_t::try_from(pid).map_err(std::io::Error::other)?;
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
@@ -336,10 +360,10 @@ fn pidfd(pid: u32) -> std::io::Result<tokio::io::unix::AsyncFd<std::os::fd::Owne
         return Err(std::io::Error::last_os_error());
     }
     // SAFETY: `fd` is a new descriptor that nothing else owns.
-    let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
     // SAFETY: the OwnedFd owns its descriptor, which stays open and unchanged until the
     // AsyncFd (which owns it) is dropped.
-    unsafe { tokio::io::unix::AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE) }
+    unsafe { AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE) }
         .map_err(|e| std::io::Error::other(e.to_string()))
 }
 
@@ -527,7 +551,7 @@ impl Supervisor {
             ToAgent::End(ids) => {
                 for id in ids {
                     if let Some(p) = world.procs.get(&id) {
-                        signal_pid(p.pid, libc::SIGKILL);
+                        p.signal(libc::SIGKILL);
                     }
                 }
             }
@@ -661,7 +685,7 @@ async fn start_child(h: &AgentHandoff, o: SpawnOrder) -> Result<(ductile_transpo
 /// Ends every rank still running: SIGTERM, then SIGKILL after [`KILL_GRACE`].
 async fn end_ranks(world: &mut NodeWorld) {
     for p in world.procs.values() {
-        signal_pid(p.pid, libc::SIGTERM);
+        p.signal(libc::SIGTERM);
     }
     let deadline = tokio::time::Instant::now() + KILL_GRACE;
     while !world.procs.is_empty() {
@@ -672,7 +696,7 @@ async fn end_ranks(world: &mut NodeWorld) {
             Ok(None) => return,
             Err(_) => {
                 for p in world.procs.values() {
-                    signal_pid(p.pid, libc::SIGKILL);
+                    p.signal(libc::SIGKILL);
                 }
                 while !world.procs.is_empty() {
                     match tokio::time::timeout(KILL_GRACE, world.exits.recv()).await {

@@ -302,6 +302,10 @@ impl RunArgs {
             (Some(_), _) => return Err("--adopt needs a job of one process (-n 1)".into()),
             _ => None,
         };
+        if adopt.is_some() && self.method == MethodArg::Baseline {
+            // A baseline growth would release the adopted process: the user's own.
+            return Err("--adopt needs --method merge".into());
+        }
         let mut command = self.command.into_iter();
         let program = command.next().ok_or("no program given (usage: ductile run [OPTIONS] -- PROGRAM [ARGS...])")?;
         if let Some(path) = &self.report {

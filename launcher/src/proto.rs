@@ -143,6 +143,9 @@ pub enum Exit {
     Code(i32),
     /// Killed by this signal.
     Signal(i32),
+    /// An adopted process (not the agent's child, so its status is its own parent's)
+    /// that left the job without finalizing: it ended, or closed its channel.
+    Left,
 }
 
 impl Exit {
@@ -152,6 +155,7 @@ impl Exit {
         match self {
             Self::Code(c) => c,
             Self::Signal(s) => 128 + s,
+            Self::Left => 1,
         }
     }
 
@@ -172,6 +176,7 @@ impl fmt::Display for Exit {
         match self {
             Self::Code(c) => write!(f, "exited with code {c}"),
             Self::Signal(s) => write!(f, "was killed by signal {s}"),
+            Self::Left => f.write_str("left the job without finalizing"),
         }
     }
 }

@@ -353,10 +353,10 @@ fn spawn_tied(cmd: &mut Command, keep: Option<i32>) -> std::io::Result<Child> {
 /// Watches a child through a pidfd, where the kernel has them: `poll` wakes the moment
 /// it ends (a child job can take less than 10 ms), and signals go to it even if
 /// another waiter reaped it (SIGCHLD ignored), never to a process that reused its pid.
-struct Watch(Option<OwnedFd>);
+pub(crate) struct Watch(Option<OwnedFd>);
 
 impl Watch {
-    fn new(child: &Child) -> Self {
+    pub(crate) fn new(child: &Child) -> Self {
         let Ok(pid) = libc::pid_t::try_from(child.id()) else { return Self(None) };
         // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
@@ -366,7 +366,7 @@ impl Watch {
 
     /// Waits for the child until `deadline`: `None` if it is still running then, else
     /// its status (`Some(None)` if another waiter took it).
-    fn wait(&self, child: &mut Child, deadline: Instant) -> Option<Option<ExitStatus>> {
+    pub(crate) fn wait(&self, child: &mut Child, deadline: Instant) -> Option<Option<ExitStatus>> {
         loop {
             match child.try_wait() {
                 Ok(Some(s)) => return Some(Some(s)),
@@ -408,7 +408,7 @@ impl Watch {
 
     /// Ends a child launcher that outlived its limit: SIGTERM (it ends its job), then
     /// SIGKILL after a grace period (its agents and ranks die with it).
-    fn end(&self, child: &mut Child) {
+    pub(crate) fn end(&self, child: &mut Child) {
         self.signal(child, libc::SIGTERM);
         if self.wait(child, Instant::now() + KILL_GRACE).is_none() {
             self.signal(child, libc::SIGKILL);
@@ -417,7 +417,7 @@ impl Watch {
     }
 }
 
-fn exit_code(s: ExitStatus) -> i32 {
+pub(crate) fn exit_code(s: ExitStatus) -> i32 {
     use std::os::unix::process::ExitStatusExt;
     s.code().or_else(|| s.signal().map(|sig| 128 + sig)).unwrap_or(1)
 }

@@ -78,6 +78,9 @@ pub struct Session {
     moving: Option<Moving>,
     /// Why a checkpoint failed, once one has: the process can only finalize.
     broken: Option<String>,
+    /// The launcher this process started when, started alone, it grew (see `adopt`):
+    /// `finalize` waits for it, so the job has ended when the process does.
+    launcher: Option<std::process::Child>,
 }
 
 /// A change after the transition group agreed on the registry, before data moves.
@@ -433,6 +436,7 @@ impl Session {
             background_share: env.background_share,
             moving: None,
             broken: None,
+            launcher: None,
         })
     }
 
@@ -578,13 +582,18 @@ impl Session {
 
     /// Rank 0's side: asks the controller (once per change) and reads its answer.
     fn root_decision(&mut self, mode: CheckpointMode) -> Result<Decision> {
-        let timeout = self.timeout;
-        let (epoch, count, pending) = (self.membership.epoch, self.count, self.pending);
         let want = self.want.take();
         if self.control.is_none() && want.is_some_and(|n| n > 1) {
-            // Started alone and asked to grow: become rank 0 of a launched job.
-            self.adopt()?;
+            // Started alone and asked to grow: become rank 0 of a launched job. A
+            // process that cannot is refused, as a resource manager may refuse.
+            if let Err(e) = self.adopt() {
+                tracing::warn!("{e}; the process goes on alone");
+                return Ok(Decision::Continue);
+            }
         }
+        // Read after an adoption, which sets the launcher's.
+        let timeout = self.timeout;
+        let (epoch, count, pending) = (self.membership.epoch, self.count, self.pending);
         let Some(c) = self.control.as_mut() else {
             return Ok(Decision::Continue);
         };
@@ -866,7 +875,12 @@ impl Session {
             // The agent may already be gone; finalizing locally is still complete.
             let _ = bootstrap::write_msg(c, &FromRank::Finalized);
         }
-        Ok(())
+        // Closed, so that the agent of an adopted process sees its part end here.
+        self.control = None;
+        match self.launcher.take() {
+            Some(launcher) => adopt::await_launcher(launcher, self.timeout),
+            None => Ok(()),
+        }
     }
 }
 

@@ -74,6 +74,17 @@ fn remove_stale(dir: &Path) {
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
         let socket = e.file_type().is_ok_and(|t| t.is_socket());
+        if socket && name.starts_with("adopt-") {
+            // A process started alone that was growing (`adopt-<pid>-<nonce>.sock`): not
+            // probed by connecting, which it would take for its agent; gone with its pid.
+            let pid = name.split('-').nth(1).and_then(|p| p.parse::<libc::pid_t>().ok()).filter(|&p| p > 0);
+            // SAFETY: kill with signal 0 only checks that the process exists.
+            let gone = pid.is_some_and(|p| unsafe { libc::kill(p, 0) } != 0 && errno_is_esrch());
+            if gone && std::fs::remove_file(e.path()).is_ok() {
+                tracing::debug!("removed the socket of a process that is gone: {}", e.path().display());
+            }
+            continue;
+        }
         if !(socket && name.starts_with("job-") && name.ends_with(".sock")) {
             continue;
         }
@@ -88,6 +99,10 @@ fn remove_stale(dir: &Path) {
             tracing::debug!("removed the socket of a job that is gone: {}", e.path().display());
         }
     }
+}
+
+fn errno_is_esrch() -> bool {
+    std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
 }
 
 /// The resize requests whose connections may still have answers to write. Each
