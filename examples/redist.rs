@@ -77,6 +77,14 @@ struct Args {
 }
 
 /// Entries of a directory (of `/proc`).
+/// "F fds, T threads and M shm mappings" of this process.
+fn held_open() -> anyhow::Result<String> {
+    let (fds, threads) = (entries("/proc/self/fd")?, entries("/proc/self/task")?);
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    let shm = maps.lines().filter(|l| l.contains("/dev/shm/")).count();
+    Ok(format!("{fds} fds, {threads} threads and {shm} shm mappings"))
+}
+
 fn entries(dir: &str) -> anyhow::Result<usize> {
     Ok(std::fs::read_dir(dir).with_context(|| format!("reading {dir}"))?.count())
 }
@@ -321,13 +329,7 @@ fn main() -> anyhow::Result<()> {
                             // The processes that left close their ends as they finalize.
                             std::thread::sleep(std::time::Duration::from_millis(300));
                         }
-                        let (fds, threads) = (entries("/proc/self/fd")?, entries("/proc/self/task")?);
-                        let maps = std::fs::read_to_string("/proc/self/maps")?;
-                        let shm = maps.lines().filter(|l| l.contains("/dev/shm/")).count();
-                        println!(
-                            "redist: change {}: rank 0 holds {fds} fds, {threads} threads and {shm} shm mappings",
-                            s.epoch()
-                        );
+                        println!("redist: change {}: rank 0 holds {}", s.epoch(), held_open()?);
                     }
                     if args.report_files {
                         let files = block_files(s.block::<u64>("large")?)?;
@@ -336,6 +338,16 @@ fn main() -> anyhow::Result<()> {
                 }
             }
             _ => std::thread::sleep(std::time::Duration::from_millis(1)),
+        }
+    }
+    if args.report_open {
+        // One more checkpoint, without a change: the processes that left at the last
+        // one are gone by now, and their transports let go of them.
+        if !matches!(s.checkpoint()?, Checkpoint::Unchanged) {
+            bail!("a change at the checkpoint after the last");
+        }
+        if s.world().rank() == 0 {
+            println!("redist: after the last change and a checkpoint: rank 0 holds {}", held_open()?);
         }
     }
     if s.world().rank() == 0 {

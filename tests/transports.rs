@@ -52,6 +52,16 @@ fn repeated_resizes_leave_nothing_held_over_every_transport() {
             second.0 <= first.0 + 2 && second.1 <= first.1 && second.2 <= first.2,
             "{t:?}: (fds, threads, shm mappings) after the first 1 -> 8 -> 1: {first:?}, after the second: {second:?}"
         );
+        // At the next checkpoint without a change, rank 0 (alone again) lets go of the
+        // regions of the 7 processes that left: over fabric shm it maps its own only.
+        let line =
+            out.lines().find_map(|l| l.strip_prefix("redist: after the last change and a checkpoint: rank 0 holds "));
+        let n: Vec<usize> = line
+            .unwrap_or_else(|| panic!("{t:?}: {out}"))
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        assert!(n[2] <= 1 && n[0] <= second.0, "{t:?}: after a checkpoint: {n:?}, after the change: {second:?}");
     }
 }
 

@@ -20,7 +20,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 
 /// Version of the handoff; a rank refuses a handoff of another version.
-pub const HANDOFF_VERSION: u32 = 5;
+pub const HANDOFF_VERSION: u32 = 6;
 /// The file descriptor the control channel is passed as.
 pub const CONTROL_FD: i32 = 3;
 /// Environment variable naming the control channel's descriptor.
@@ -113,6 +113,10 @@ pub struct Change {
 pub enum Decision {
     /// No change now.
     Continue,
+    /// No change now; the processes that left at the last change are gone, so the
+    /// transports may let go of what they hold for them: the current membership's
+    /// addresses, theirs blank.
+    Tidy(Vec<EndpointAddr>),
     /// A change is under way (new processes are starting); ask again later.
     Pending,
     /// The group changes now.

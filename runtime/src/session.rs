@@ -569,6 +569,12 @@ impl Session {
                 self.pending = false;
                 Ok(Checkpoint::Unchanged)
             }
+            Decision::Tidy(addrs) => {
+                self.pending = false;
+                self.endpoint.transport().set_peers(&addrs)?;
+                self.membership.addrs = addrs;
+                Ok(Checkpoint::Unchanged)
+            }
             Decision::Pending => {
                 self.pending = true;
                 Ok(Checkpoint::Pending)

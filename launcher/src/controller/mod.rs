@@ -171,6 +171,9 @@ pub(crate) struct Ctl {
     failed_growths: Vec<String>,
     /// Tokens of new agents whose growth ended before they connected.
     dropped_tokens: Vec<Token>,
+    /// Processes left at the last change: the next checkpoint without a change says
+    /// so (`Decision::Tidy`).
+    tidy: bool,
     wait_timeout: Duration,
     fence_limit: Duration,
 }
@@ -292,6 +295,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
         failed: None,
         failed_growths: Vec::new(),
         dropped_tokens: Vec::new(),
+        tidy: false,
         wait_timeout,
         fence_limit,
     };

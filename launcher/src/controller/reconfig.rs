@@ -164,6 +164,13 @@ impl Ctl {
     }
 
     async fn answer(&mut self, d: &Deferred, decision: Decision) {
+        // The first checkpoint without a change after processes left tells the ranks
+        // to let go of what their transports hold for them (fabric shm: the departed
+        // peers' mapped regions), rather than at the next change.
+        let decision = match decision {
+            Decision::Continue if std::mem::take(&mut self.tidy) => Decision::Tidy(self.state.addrs.clone()),
+            other => other,
+        };
         self.send(d.agent, &ToAgent::ToRank(d.id, ToRank::Decision(decision))).await;
     }
 
@@ -622,6 +629,7 @@ impl Ctl {
                 *a = EndpointAddr(String::new());
             }
         }
+        self.tidy |= !f.leaving.is_empty();
         for a in &mut self.agents {
             if a.done && a.released_epoch.is_none() && a.started.iter().all(|r| f.leaving.contains(&r.id)) {
                 a.released_epoch = Some(epoch);
