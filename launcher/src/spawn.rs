@@ -145,15 +145,27 @@ fn children() -> Vec<(u32, bool)> {
 }
 
 /// Ends the processes a job left outside its node worlds' process groups (a rank's
-/// `setsid` child): once their parents have exited they are this process's children,
-/// as it is a subreaper, so they are the job's. Kills and reaps them, and the children
-/// they leave in turn, and reaps the job's processes that died here already (the ranks
-/// of an agent that was killed), within [`ADOPTION_GRACE`] (a process that cannot die,
-/// stuck in the kernel, is left); returns how many were still running.
+/// `setsid` child, or the launcher of a child job a rank started with
+/// `Group::launch`): once their parents have exited they are this process's children,
+/// as it is a subreaper, so they are the job's. Asks them to end (SIGTERM: a child
+/// job's launcher then ends its own job cleanly, removing what it made) and gives them
+/// [`TERM_GRACE`], then kills and reaps them, and the children they leave in turn, and
+/// reaps the job's processes that died here already (the ranks of an agent that was
+/// killed), within [`ADOPTION_GRACE`] (a process that cannot die, stuck in the kernel,
+/// is left); returns how many were still running.
 pub async fn end_adopted() -> usize {
+    let running: Vec<u32> = children().into_iter().filter(|&(_, r)| r).map(|(pid, _)| pid).collect();
+    for &pid in &running {
+        signal_pid(pid, libc::SIGTERM);
+    }
+    let asked = tokio::time::Instant::now() + TERM_GRACE;
+    while !running.is_empty() && children().iter().any(|&(_, r)| r) && tokio::time::Instant::now() < asked {
+        reap_children();
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
     let deadline = tokio::time::Instant::now() + ADOPTION_GRACE;
-    let mut ended = 0;
-    let mut signalled = std::collections::HashSet::new();
+    let mut ended = running.len();
+    let mut signalled: std::collections::HashSet<u32> = running.into_iter().collect();
     loop {
         let left = children();
         if left.is_empty() {
@@ -161,18 +173,13 @@ pub async fn end_adopted() -> usize {
         }
         for &(pid, running) in &left {
             if running && signalled.insert(pid) {
-                signal_pid(pid, libc::SIGKILL);
                 ended += 1;
             }
-        }
-        for &(pid, _) in &left {
-            if let Ok(p) = i32::try_from(pid) {
-                // SAFETY: waitpid on one child of ours, without blocking.
-                unsafe {
-                    libc::waitpid(p, std::ptr::null_mut(), libc::WNOHANG);
-                }
+            if running {
+                signal_pid(pid, libc::SIGKILL);
             }
         }
+        reap_children();
         if tokio::time::Instant::now() >= deadline {
             tracing::warn!("{} processes of the job did not end within {ADOPTION_GRACE:?}", children().len());
             return ended;
@@ -181,5 +188,19 @@ pub async fn end_adopted() -> usize {
     }
 }
 
+/// Reaps this process's children that have exited, without blocking.
+fn reap_children() {
+    for (pid, _) in children() {
+        if let Ok(p) = i32::try_from(pid) {
+            // SAFETY: waitpid on one child of ours, without blocking.
+            unsafe {
+                libc::waitpid(p, std::ptr::null_mut(), libc::WNOHANG);
+            }
+        }
+    }
+}
+
+/// How long [`end_adopted`] gives what it asked to end before it kills it.
+const TERM_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 /// How long [`end_adopted`] waits for what it killed to end.
 const ADOPTION_GRACE: std::time::Duration = std::time::Duration::from_secs(2);

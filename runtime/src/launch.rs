@@ -319,6 +319,10 @@ fn child_command(launcher: &std::path::Path, what: &Launch, size: usize, report:
     }
     cmd.arg("--").arg(&what.program).args(&what.args);
     cmd.envs(what.env.iter().map(|(k, v)| (k, v))).env_remove(CONTROL_FD_ENV).stdin(Stdio::null());
+    // Out of the member's process group, which its agent kills outright at the end of
+    // the parent job: the child launcher ends with the member (its parent-death
+    // signal), through its own clean end of the child job.
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     cmd
 }
 

@@ -620,7 +620,10 @@ impl Ctl {
         // whatever is still a child of ours is such a process.
         let adopted = crate::spawn::end_adopted().await;
         if adopted > 0 {
-            tracing::warn!("ended {adopted} processes the job's ranks left outside their node worlds");
+            tracing::warn!(
+                "ended {adopted} processes the job's ranks left running outside their node worlds (child jobs' \
+                 launchers, or processes in sessions of their own)"
+            );
         }
         if !self.done.is_empty() {
             crate::say_err!("ductile: reconfigurations of job {}:\n{}", self.job, report::table(&self.done));
