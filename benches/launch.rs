@@ -17,6 +17,7 @@
 //! `DUCTILE_BENCH_REPS` jobs (of `TASKS` launches each for ductile's child jobs).
 //! Results go to `target/bench-launch.json`.
 
+use ductile_suite::bench::{median, ompi_relaunch};
 use ductile_suite::paths::{ductile_bin, example, mpi_peer, profile_dir};
 use serde_json::json;
 use std::process::Command;
@@ -24,15 +25,6 @@ use std::time::Instant;
 
 const PROCS: [u32; 3] = [1, 2, 4];
 const TASKS: u32 = 10;
-
-fn reps() -> usize {
-    std::env::var("DUCTILE_BENCH_REPS").ok().and_then(|v| v.parse().ok()).filter(|&r| r > 0).unwrap_or(5)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 /// ms per child job launched by a job of `procs` processes.
 fn ductile_launches(procs: u32) -> f64 {
@@ -66,27 +58,8 @@ fn ductile_fresh(procs: u32) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-/// Wall ms of `mpirun -n procs` of the empty peer.
-fn ompi_relaunch(peer: &std::path::Path, procs: u32) -> f64 {
-    let t = Instant::now();
-    let out = Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "-n", &procs.to_string(), "--mca", "pml", "ob1"])
-        .args(["--mca", "btl", "self,vader,tcp", "--mca", "btl_tcp_if_include", "lo"])
-        .arg(peer)
-        .arg("0")
-        .output()
-        .expect("start mpirun");
-    assert!(out.status.success(), "mpirun failed: {out:?}");
-    t.elapsed().as_secs_f64() * 1e3
-}
-
 fn main() {
-    // `cargo bench` passes `--bench`; `cargo test --benches` passes nothing useful.
-    if std::env::args().any(|a| a == "--list") {
-        return;
-    }
-    ductile_suite::paths::build_release();
-    let reps = reps();
+    let Some(reps) = ductile_suite::bench::start() else { return };
     let peer = mpi_peer("spawn");
     println!("launch benchmark, median of {reps} jobs per figure, ms per job (jobs per second)");
     println!("{:>5} | {:>16} {:>16} {:>16}", "procs", "ductile launch", "ductile run", "mpirun");

@@ -21,15 +21,12 @@
 //! default, 1 moves at full speed). `DUCTILE_BENCH_TRANSPORT` picks the transport:
 //! `tcp` (the default), `quic`, or `fabric:PROVIDER` (e.g. `fabric:shm`).
 
+use ductile_suite::bench::{median, reps};
 use ductile_suite::paths::{ductile_bin, example};
 use std::process::Command;
 
 const METHODS: [&str; 3] = ["collective", "p2p", "rma"];
 const PAIRS: [(u32, u32); 3] = [(1, 2), (2, 1), (2, 4)];
-
-fn reps() -> usize {
-    std::env::var("DUCTILE_BENCH_REPS").ok().and_then(|v| v.parse().ok()).filter(|&r| r > 0).unwrap_or(5)
-}
 
 /// `ductile run`'s transport arguments, from `DUCTILE_BENCH_TRANSPORT`.
 fn transport_args() -> Vec<String> {
@@ -47,11 +44,6 @@ fn transport_args() -> Vec<String> {
         args.extend(["--fabric-provider".to_string(), p.to_string()]);
     }
     args
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// What one job measured.

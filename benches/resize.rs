@@ -17,25 +17,16 @@
 //! is the wall time of `mpirun -n K` of an empty MPI program. Results go to
 //! `target/bench-resize.json`.
 
+use ductile_suite::bench::{median, mpirun, ompi_relaunch};
 use ductile_suite::paths::{ductile_bin, example, mpi_peer, profile_dir};
 use serde_json::json;
 use std::path::Path;
 use std::process::Command;
-use std::time::Instant;
 
 const NODES: [u32; 4] = [2, 4, 8, 16];
 const SLOTS: [u32; 2] = [1, 4];
 const VARIANTS: [(&str, &str); 4] =
     [("parallel", "merge"), ("single", "merge"), ("parallel", "baseline"), ("single", "baseline")];
-
-fn reps() -> usize {
-    std::env::var("DUCTILE_BENCH_REPS").ok().and_then(|v| v.parse().ok()).filter(|&r| r > 0).unwrap_or(5)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 /// One ductile job growing 1 -> `n` nodes and shrinking back; (grow ms, shrink ms).
 fn ductile_job(n: u32, slots: u32, strategy: &str, method: &str) -> (f64, f64) {
@@ -59,13 +50,6 @@ fn ductile_job(n: u32, slots: u32, strategy: &str, method: &str) -> (f64, f64) {
     (total(0), total(1))
 }
 
-fn mpirun(np: u32) -> Command {
-    let mut c = Command::new("mpirun");
-    c.args(["--allow-run-as-root", "--oversubscribe", "-n", &np.to_string(), "--mca", "pml", "ob1"]);
-    c.args(["--mca", "btl", "self,vader,tcp", "--mca", "btl_tcp_if_include", "lo"]);
-    c
-}
-
 /// Open MPI: `parents` processes spawn `children` and merge; ms.
 fn ompi_spawn(peer: &Path, parents: u32, children: u32) -> f64 {
     let out = mpirun(parents).arg(peer).arg(children.to_string()).output().expect("start mpirun");
@@ -79,21 +63,8 @@ fn ompi_spawn(peer: &Path, parents: u32, children: u32) -> f64 {
     ns / 1e6
 }
 
-/// Open MPI: wall time of a whole `mpirun -n procs` of an empty program; ms.
-fn ompi_relaunch(peer: &Path, procs: u32) -> f64 {
-    let t = Instant::now();
-    let out = mpirun(procs).arg(peer).arg("0").output().expect("start mpirun");
-    assert!(out.status.success(), "mpirun relaunch failed: {out:?}");
-    t.elapsed().as_secs_f64() * 1e3
-}
-
 fn main() {
-    // `cargo bench` passes `--bench`; `cargo test --benches` passes nothing useful.
-    if std::env::args().any(|a| a == "--list") {
-        return;
-    }
-    ductile_suite::paths::build_release();
-    let reps = reps();
+    let Some(reps) = ductile_suite::bench::start() else { return };
     let peer = mpi_peer("spawn");
     let mut rows = Vec::new();
     println!("resize benchmark, median of {reps} jobs per figure, ms");
