@@ -107,3 +107,68 @@ fn killing_a_grown_program_started_alone_ends_the_processes_it_grew() {
     assert_eq!(status.code(), None, "killed by a signal");
     assert_all_gone(&mark);
 }
+
+#[test]
+fn ductile_resize_drives_a_program_started_alone_once_it_has_grown() {
+    use std::io::BufRead;
+    let mark = format!("{}-resized", std::process::id());
+    // Asks for 2 processes at iteration 10, then iterates until 3 changes have
+    // happened: the 2 more come from outside.
+    let mut child = jacobi_alone(&mark, &["--ask", "2", "--until-changes", "3"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start jacobi");
+    let lines = |r: Box<dyn std::io::Read + Send>| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(r).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        rx
+    };
+    let (out, err) = (lines(Box::new(child.stdout.take().unwrap())), lines(Box::new(child.stderr.take().unwrap())));
+    let mut stdout = Vec::new();
+    let mut await_line = |want: &str| loop {
+        match out.recv_timeout(Duration::from_secs(30)) {
+            Ok(l) => {
+                let found = l.contains(want);
+                stdout.push(l);
+                if found {
+                    return true;
+                }
+            }
+            Err(_) => return false,
+        }
+    };
+    // The launcher it started says its job's id first; the program has grown once it
+    // says so.
+    let first = err.recv_timeout(Duration::from_secs(30)).unwrap_or_default();
+    let job = first.strip_prefix("ductile: job ").and_then(|r| r.split(',').next()).map(str::to_string);
+    let (Some(job), true) = (job, await_line("1 -> 2 processes")) else {
+        let _ = child.kill();
+        panic!("the program did not grow: {first} {stdout:?}");
+    };
+    let resize = |n: &str| {
+        let out = Command::new(ductile_bin()).args(["resize", &job, "--procs", n, "--wait", "60"]).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    };
+    let (grew, text) = resize("4");
+    let (shrank, text2) = resize("1");
+    let ended = await_line("checksum");
+    let status = wait_with_timeout(&mut child, Duration::from_secs(30));
+    // Everything that wrote it has ended: read it to its end.
+    let stderr: Vec<String> = std::iter::from_fn(|| err.recv_timeout(Duration::from_secs(10)).ok()).collect();
+    assert!(grew && text.contains("2 -> 4 processes"), "{text}");
+    assert!(shrank && text2.contains("4 -> 1 processes"), "{text2}");
+    assert!(ended && stdout.last().is_some_and(|l| l.contains(" processes 1 ")), "{stdout:?}");
+    assert_eq!(status.code(), Some(0), "{stdout:?} {stderr:?}");
+    let triggers: Vec<&str> = ["grow    application", "grow    resize", "shrink  resize"]
+        .into_iter()
+        .filter(|t| stderr.iter().any(|l| l.contains(t)))
+        .collect();
+    assert_eq!(triggers.len(), 3, "{stderr:?}");
+    assert_all_gone(&mark);
+}
