@@ -171,3 +171,17 @@ fn a_parent_started_alone_that_is_killed_mid_launch_takes_its_child_job_with_it(
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[test]
+fn child_jobs_of_a_job_that_tags_its_output_tag_theirs_too() {
+    let report = tmp("tagged.json");
+    let prog = ex("ensemble");
+    let args = ["run", "--tag-output", "--report", report.to_str().unwrap(), "-n", "2", "--nodes", "2", "--"];
+    let out = ductile(&args).args([prog.as_str(), "--tasks", "1"]).output().expect("start ductile");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    // The first member's rank, then the child's.
+    assert!(stdout.contains("[0] [0] child job of task 0, attempt 0: 2 processes"), "{stdout}");
+    assert!(stdout.contains("[0] ensemble: job: task 0 attempt 0: status 0"), "{stdout}");
+    assert_no_survivors(&report);
+}

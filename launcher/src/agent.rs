@@ -302,6 +302,7 @@ fn rank_handoff(h: &AgentHandoff, id: Rank) -> RankHandoff {
         joining: h.joining.is_some(),
         redistribution: h.redistribution,
         background: h.background,
+        tag_output: h.tag_output,
     }
 }
 

@@ -51,6 +51,8 @@ pub struct RankHandoff {
     pub redistribution: crate::Method,
     /// Constant registered items move in the background (`--background`).
     pub background: bool,
+    /// The job's output lines are prefixed with their rank (`--tag-output`).
+    pub tag_output: bool,
 }
 
 /// Which transport backend a job uses, and its settings.
@@ -388,6 +390,7 @@ mod tests {
             joining: false,
             redistribution: crate::Method::Rma,
             background: true,
+            tag_output: true,
         };
         let bytes = encode(&ToRank::Handoff(h)).unwrap();
         let back: ToRank = read_msg(&mut &bytes[..]).unwrap();

@@ -56,10 +56,15 @@ pub const MAX_LAUNCH_SECS: u64 = 366 * 24 * 3600;
 
 /// The transport of this process's job, which child jobs use too unless told otherwise.
 static TRANSPORT: OnceLock<TransportSpec> = OnceLock::new();
+/// Whether this process's job prefixes output lines with ranks; child jobs do too, so
+/// that their children's lines can be told apart ("[0] [2] ...": the first member's
+/// rank, then the child's).
+static TAG_OUTPUT: OnceLock<bool> = OnceLock::new();
 
-/// Records the job's transport (once, at `init`).
-pub(crate) fn set_job_transport(spec: &TransportSpec) {
-    let _ = TRANSPORT.set(spec.clone());
+/// Records the job's settings that child jobs inherit (once, at `init`).
+pub(crate) fn set_job(h: &crate::bootstrap::RankHandoff) {
+    let _ = TRANSPORT.set(h.transport.clone());
+    let _ = TAG_OUTPUT.set(h.tag_output);
 }
 
 /// A child job to start with [`Group::launch`]: a program, its arguments and extra
@@ -311,6 +316,9 @@ fn child_command(launcher: &std::path::Path, what: &Launch, size: usize, report:
     let mut cmd = Command::new(launcher);
     cmd.args(["run", "--quiet", "-n", &n, "--nodes", &n, "--slots", "1"]);
     cmd.args(["--timeout", &what.timeout_secs().to_string(), "--report", report]);
+    if TAG_OUTPUT.get() == Some(&true) {
+        cmd.arg("--tag-output");
+    }
     if let Some(spec) = what.transport.as_ref().or_else(|| TRANSPORT.get()) {
         cmd.args(["--transport", &spec.name]);
         if let Some(p) = &spec.fabric_provider {

@@ -264,6 +264,7 @@ fn standalone(rt: Runtime, env: &EnvSettings) -> Result<Session> {
         joining: false,
         redistribution: Method::default(),
         background: false,
+        tag_output: false,
     };
     let endpoint = bind(&rt, &h)?;
     let m = Membership {
@@ -289,7 +290,7 @@ fn launched(rt: Runtime, env: &EnvSettings, fd: i32) -> Result<Session> {
         }
         other => return Err(Error::Bootstrap(format!("expected the handoff from the agent, got {other:?}"))),
     };
-    crate::launch::set_job_transport(&h.transport);
+    crate::launch::set_job(&h);
     let endpoint = match bind(&rt, &h) {
         Ok(e) => e,
         Err(e) => {

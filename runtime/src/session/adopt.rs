@@ -83,7 +83,7 @@ impl Session {
             other => return Err(Error::Bootstrap(format!("expected the agent's handoff, got {other:?}"))),
         };
         let rt = self.rt.as_ref().ok_or(Error::Invalid("session is closed".into()))?;
-        crate::launch::set_job_transport(&h.transport);
+        crate::launch::set_job(&h);
         let endpoint = super::bind(rt, &h)?;
         bootstrap::write_msg(&mut control, &FromRank::Ready { addr: endpoint.transport().local_addr() })
             .map_err(err)?;
