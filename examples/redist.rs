@@ -76,7 +76,6 @@ struct Args {
     keep_going: Option<u64>,
 }
 
-/// Entries of a directory (of `/proc`).
 /// "F fds, T threads and M shm mappings" of this process.
 fn held_open() -> anyhow::Result<String> {
     let (fds, threads) = (entries("/proc/self/fd")?, entries("/proc/self/task")?);
@@ -85,6 +84,7 @@ fn held_open() -> anyhow::Result<String> {
     Ok(format!("{fds} fds, {threads} threads and {shm} shm mappings"))
 }
 
+/// Entries of a directory (of `/proc`).
 fn entries(dir: &str) -> anyhow::Result<usize> {
     Ok(std::fs::read_dir(dir).with_context(|| format!("reading {dir}"))?.count())
 }

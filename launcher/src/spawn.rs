@@ -154,18 +154,26 @@ fn children() -> Vec<(u32, bool)> {
 /// killed), within [`ADOPTION_GRACE`] (a process that cannot die, stuck in the kernel,
 /// is left); returns how many were still running.
 pub async fn end_adopted() -> usize {
-    let running: Vec<u32> = children().into_iter().filter(|&(_, r)| r).map(|(pid, _)| pid).collect();
-    for &pid in &running {
-        signal_pid(pid, libc::SIGTERM);
-    }
-    let asked = tokio::time::Instant::now() + TERM_GRACE;
-    while !running.is_empty() && children().iter().any(|&(_, r)| r) && tokio::time::Instant::now() < asked {
+    // Every running child is asked once, those that become ours meanwhile (the
+    // children of one that ended) too, until none is left or the grace is over.
+    let mut asked = std::collections::HashSet::new();
+    let grace = tokio::time::Instant::now() + TERM_GRACE;
+    loop {
+        let running: Vec<u32> = children().into_iter().filter(|&(_, r)| r).map(|(pid, _)| pid).collect();
+        if running.is_empty() || tokio::time::Instant::now() >= grace {
+            break;
+        }
+        for pid in running {
+            if asked.insert(pid) {
+                signal_pid(pid, libc::SIGTERM);
+            }
+        }
         reap_children();
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     let deadline = tokio::time::Instant::now() + ADOPTION_GRACE;
-    let mut ended = running.len();
-    let mut signalled: std::collections::HashSet<u32> = running.into_iter().collect();
+    let mut ended = asked.len();
+    let mut signalled = asked;
     loop {
         let left = children();
         if left.is_empty() {
@@ -200,7 +208,9 @@ fn reap_children() {
     }
 }
 
-/// How long [`end_adopted`] gives what it asked to end before it kills it.
-const TERM_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long [`end_adopted`] gives what it asked to end before it kills it: a child
+/// job's launcher ends its job in milliseconds when its ranks end on SIGTERM (one
+/// whose ranks do not is killed, and what it made is removed by later jobs).
+const TERM_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
 /// How long [`end_adopted`] waits for what it killed to end.
 const ADOPTION_GRACE: std::time::Duration = std::time::Duration::from_secs(2);

@@ -116,8 +116,8 @@ pub enum Decision {
     /// No change now.
     Continue,
     /// No change now; the processes that left at the last change are gone, so the
-    /// transports may let go of what they hold for them: the current membership's
-    /// addresses, theirs blank.
+    /// transports may let go of what they hold for them: the address of every endpoint
+    /// id so far, by id, blank for those that left (and for a failed growth's).
     Tidy(Vec<EndpointAddr>),
     /// A change is under way (new processes are starting); ask again later.
     Pending,
