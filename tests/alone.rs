@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{ex, marked, tmp, wait_with_timeout, MARK};
+use common::{ex, lines_of, marked, tmp, wait_with_timeout, MARK};
 use ductile_suite::paths::ductile_bin;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -88,16 +88,9 @@ fn killing_a_grown_program_started_alone_ends_the_processes_it_grew() {
         .expect("start jacobi");
     // Killed once the growth is complete: the program, its launcher, 3 agents and 2
     // new ranks are running.
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)).map_while(Result::ok) {
-            if line.contains("1 -> 3 processes") {
-                let _ = tx.send(());
-            }
-        }
-    });
-    if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+    let out = lines_of(child.stdout.take().unwrap());
+    let grown = std::iter::from_fn(|| out.recv_timeout(Duration::from_secs(30)).ok()).any(|l| l.contains("1 -> 3"));
+    if !grown {
         let _ = child.kill();
         panic!("the job did not grow");
     }
@@ -110,7 +103,6 @@ fn killing_a_grown_program_started_alone_ends_the_processes_it_grew() {
 
 #[test]
 fn ductile_resize_drives_a_program_started_alone_once_it_has_grown() {
-    use std::io::BufRead;
     let mark = format!("{}-resized", std::process::id());
     // Asks for 2 processes at iteration 10, then iterates until 3 changes have
     // happened: the 2 more come from outside.
@@ -119,16 +111,7 @@ fn ductile_resize_drives_a_program_started_alone_once_it_has_grown() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start jacobi");
-    let lines = |r: Box<dyn std::io::Read + Send>| {
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(r).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        rx
-    };
-    let (out, err) = (lines(Box::new(child.stdout.take().unwrap())), lines(Box::new(child.stderr.take().unwrap())));
+    let (out, err) = (lines_of(child.stdout.take().unwrap()), lines_of(child.stderr.take().unwrap()));
     let mut stdout = Vec::new();
     let mut await_line = |want: &str| loop {
         match out.recv_timeout(Duration::from_secs(30)) {

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{assert_no_survivors, ductile, ex, marked, tmp, wait_with_timeout, MARK};
+use common::{assert_no_survivors, await_marked, ductile, ex, marked, tmp, wait_with_timeout, MARK};
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -127,11 +127,7 @@ fn ending_the_parent_job_mid_launch_ends_its_child_jobs() {
         .spawn()
         .expect("start ductile");
     // The parent's 2 ranks and agents, the child launcher, its 2 agents and 2 ranks.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while marked(&mark).len() < 10 {
-        assert!(Instant::now() < deadline, "the child job did not come up: {:?}", marked(&mark));
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    await_marked(&mark, 10);
     let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
     let status = wait_with_timeout(&mut child, Duration::from_secs(30));
@@ -158,11 +154,7 @@ fn a_parent_started_alone_that_is_killed_mid_launch_takes_its_child_job_with_it(
         .spawn()
         .expect("start ensemble");
     // The parent, the child launcher, its agent and its rank.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while marked(&mark).len() < 4 {
-        assert!(Instant::now() < deadline, "the child job did not come up: {:?}", marked(&mark));
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    await_marked(&mark, 4);
     parent.kill().unwrap();
     let _ = wait_with_timeout(&mut parent, Duration::from_secs(10));
     let deadline = Instant::now() + Duration::from_secs(15);

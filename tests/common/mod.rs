@@ -159,3 +159,27 @@ pub fn marked(mark: &str) -> Vec<u64> {
         })
         .collect()
 }
+
+/// Waits (at most 30 s) until at least `n` processes carry `mark`; panics naming them
+/// otherwise.
+pub fn await_marked(mark: &str, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while marked(mark).len() < n {
+        assert!(Instant::now() < deadline, "{n} processes did not come up: {:?}", marked(mark));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The lines of `r`, read by a thread of their own, as they come.
+pub fn lines_of(r: impl std::io::Read + Send + 'static) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(r).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
