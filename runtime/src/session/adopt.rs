@@ -6,9 +6,12 @@
 //! to them, and the launcher ends the job's other processes when it ends.
 //!
 //! The agent reaches the process through a Unix socket the process creates in the
-//! user's private directory (mode 0700, as the launcher's control sockets), accepted
-//! once and only from a process of the same user. The process then binds an endpoint
-//! of the new job (its own key and identity) in place of its standalone one.
+//! user's private directory (mode 0700, as the launcher's control sockets) under a
+//! random name, accepted once and only from a child of the launcher it started, of the
+//! same user. The process then binds an endpoint of the new job (its own key and
+//! identity) in place of its standalone one. Its `finalize` waits for the launcher, so
+//! the job has ended when the process has; failing to start the launcher is a refusal,
+//! and the process goes on alone.
 
 use super::Session;
 use crate::bootstrap::{self, FromRank, Membership, RankHandoff, ToRank, HANDOFF_VERSION};
