@@ -5,14 +5,22 @@
 //! inside the job's [`Bounds`] (DMR's min/max/preferred hints). The policies of
 //! `--policy` (paper 001's schedulers among them) are pure state machines:
 //!
-//! - `fixed`: never changes;
+//! - `fixed`: never changes (but see the preferred count below);
 //! - `steps:A,B,C`: at the 1st, 2nd, 3rd change point the job goes to A, B, C nodes
 //!   (change points passing while a change is under way do not count);
 //! - `inc-dec`: one node more at every change point up to the maximum, then one fewer
-//!   down to the minimum, and so on;
+//!   down to the floor, and so on;
 //! - `random[:SEED]`: a normally distributed change (Box-Muller), rounded and clamped.
 //!
 //! A change point is every `period`-th checkpoint (`--period K`).
+//!
+//! **Preferred count** (`--preferred-nodes P`, DMR's "sweet spot"): the size the
+//! job runs best at, below which the resource manager never takes it, while it may
+//! still grant growth up to the maximum. So P is every policy's floor instead of the
+//! minimum, and a job below P (started smaller, or shrunk by a request) goes to P at
+//! its next change point, under every policy. Requests from outside (`ductile
+//! resize`) and from the application are the user's own choice, bounded by min and
+//! max only.
 
 use std::str::FromStr;
 
@@ -82,9 +90,21 @@ impl Bounds {
         }
     }
 
+    /// The fewest nodes a policy takes the job to: the preferred count if any, else
+    /// the minimum.
+    #[must_use]
+    pub fn floor(&self) -> u32 {
+        self.preferred.unwrap_or(self.min)
+    }
+
     fn clamp(&self, n: i64) -> u32 {
-        // Clamped into min..=max, which fits in u32.
-        n.clamp(i64::from(self.min), i64::from(self.max)) as u32
+        // Clamped into floor..=max, which fits in u32 (the floor is at most max).
+        n.clamp(i64::from(self.floor()), i64::from(self.max)) as u32
+    }
+
+    /// The preferred count, when a job of `nodes` nodes is below it.
+    fn raise(&self, nodes: u32) -> Option<u32> {
+        self.preferred.filter(|&p| nodes < p)
     }
 }
 
@@ -143,18 +163,23 @@ pub const DEFAULT_SEED: u64 = 0x5eed;
 pub fn build(spec: &PolicySpec, period: u64, bounds: Bounds) -> Box<dyn ResourceManager> {
     let period = period.max(1);
     match spec {
-        PolicySpec::Fixed => Box::new(Fixed),
+        PolicySpec::Fixed => Box::new(Fixed { period, bounds }),
         PolicySpec::Steps(s) => Box::new(Steps { targets: s.clone(), period, bounds, next: 0 }),
         PolicySpec::IncDec => Box::new(IncDec { period, bounds, up: true }),
         PolicySpec::Random(seed) => Box::new(Random { period, bounds, rng: SplitMix64(*seed) }),
     }
 }
 
-struct Fixed;
+/// Never changes the job, except to bring it up to its preferred count.
+struct Fixed {
+    period: u64,
+    bounds: Bounds,
+}
 
 impl ResourceManager for Fixed {
-    fn decide(&mut self, _: u64, _: u32) -> Option<u32> {
-        None
+    fn decide(&mut self, checkpoint: u64, nodes: u32) -> Option<u32> {
+        change_point(checkpoint, self.period)?;
+        self.bounds.raise(nodes)
     }
 }
 
@@ -179,7 +204,9 @@ struct Steps {
 impl ResourceManager for Steps {
     fn decide(&mut self, checkpoint: u64, nodes: u32) -> Option<u32> {
         change_point(checkpoint, self.period)?;
-        let t = *self.targets.get(self.next)?;
+        let Some(&t) = self.targets.get(self.next) else {
+            return self.bounds.raise(nodes);
+        };
         self.next += 1;
         changed(self.bounds.clamp(i64::from(t)), nodes)
     }
@@ -196,7 +223,7 @@ impl ResourceManager for IncDec {
         change_point(checkpoint, self.period)?;
         if self.up && nodes >= self.bounds.max {
             self.up = false;
-        } else if !self.up && nodes <= self.bounds.min {
+        } else if !self.up && nodes <= self.bounds.floor() {
             self.up = true;
         }
         let step = if self.up { 1 } else { -1 };
@@ -213,7 +240,7 @@ struct Random {
 impl ResourceManager for Random {
     fn decide(&mut self, checkpoint: u64, nodes: u32) -> Option<u32> {
         change_point(checkpoint, self.period)?;
-        let sigma = (f64::from(self.bounds.max - self.bounds.min) / 4.0).max(1.0);
+        let sigma = (f64::from(self.bounds.max - self.bounds.floor()) / 4.0).max(1.0);
         let delta = (self.rng.normal() * sigma).round() as i64;
         changed(self.bounds.clamp(i64::from(nodes) + delta), nodes)
     }
@@ -292,6 +319,26 @@ mod tests {
         let mut p = build(&PolicySpec::IncDec, 1, bounds(1, 4));
         assert_eq!(run(&mut *p, 1, 8), vec![2, 3, 4, 3, 2, 1, 2, 3]);
         assert_eq!(run(&mut *build(&PolicySpec::Fixed, 1, bounds(1, 4)), 2, 10), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn a_preferred_count_is_every_policys_floor_and_a_smaller_job_grows_to_it() {
+        let b = Bounds::new(1, 6, Some(3)).unwrap();
+        assert_eq!(b.floor(), 3);
+        assert_eq!(bounds(2, 6).floor(), 2);
+        // fixed brings a smaller job up to it at the first change point, then stays.
+        assert_eq!(run(&mut *build(&PolicySpec::Fixed, 2, b), 1, 10), vec![3]);
+        assert_eq!(run(&mut *build(&PolicySpec::Fixed, 1, b), 5, 10), Vec::<u32>::new());
+        // inc-dec walks between it and the maximum.
+        assert_eq!(run(&mut *build(&PolicySpec::IncDec, 1, b), 1, 9), vec![3, 4, 5, 6, 5, 4, 3, 4, 5]);
+        // steps are raised to it, and once the list is done a job below it goes back up.
+        let mut steps = build(&PolicySpec::Steps(vec![5, 1]), 1, b);
+        assert_eq!(run(&mut *steps, 1, 4), vec![5, 3]);
+        assert_eq!(steps.decide(5, 2), Some(3), "after a request took the job below it");
+        assert_eq!(steps.decide(6, 3), None);
+        // random never goes below it.
+        let seen = run(&mut *build(&PolicySpec::Random(7), 1, b), 3, 60);
+        assert!(seen.len() >= 10 && seen.iter().all(|&n| (3..=6).contains(&n)), "{seen:?}");
     }
 
     #[test]
