@@ -117,22 +117,75 @@ impl Report {
 }
 
 impl Reconfiguration {
-    /// One line: what changed and what it cost.
+    /// One line: what changed, where, and what it cost.
     #[must_use]
     pub fn summary(&self) -> String {
         let p = &self.phases_ms;
+        let mut moved = Vec::new();
+        if !self.added_nodes.is_empty() {
+            moved.push(format!("{} {}", node_list(&self.added_nodes), verb(&self.added_nodes, "join")));
+        }
+        if !self.released_nodes.is_empty() {
+            moved.push(format!("{} {}", node_list(&self.released_nodes), verb(&self.released_nodes, "leave")));
+        }
+        let mut how = self.kind.to_string();
+        for m in moved {
+            let _ = write!(how, "; {m}");
+        }
         format!(
-            "resize {}: {} -> {} nodes, {} -> {} processes ({}) in {:.1} ms",
-            self.seq, self.nodes_before, self.nodes_after, self.procs_before, self.procs_after, self.kind, p.total
+            "resize {}: {} -> {} nodes, {} -> {} processes ({how}) in {:.1} ms",
+            self.seq, self.nodes_before, self.nodes_after, self.procs_before, self.procs_after, p.total
         )
     }
+
+    /// The nodes that joined (`+1-3`) or left (`-4,6`), for the table.
+    fn where_text(&self) -> String {
+        let mut s = String::new();
+        for (sign, nodes) in [('+', &self.added_nodes), ('-', &self.released_nodes)] {
+            if !nodes.is_empty() {
+                let _ = write!(s, "{}{sign}{}", if s.is_empty() { "" } else { " " }, ids(nodes));
+            }
+        }
+        s
+    }
+}
+
+/// `join` for several nodes, `joins` for one.
+fn verb(nodes: &[u32], plural: &str) -> String {
+    if nodes.len() == 1 {
+        format!("{plural}s")
+    } else {
+        plural.to_string()
+    }
+}
+
+/// `node 3` or `nodes 1-3, 5`.
+fn node_list(nodes: &[u32]) -> String {
+    format!("{} {}", if nodes.len() == 1 { "node" } else { "nodes" }, ids(nodes).replace(',', ", "))
+}
+
+/// Node ids with runs of consecutive ids shortened: `1-3,5`.
+fn ids(nodes: &[u32]) -> String {
+    let mut sorted = nodes.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    for n in sorted {
+        match runs.last_mut() {
+            Some((_, end)) if n == *end + 1 => *end = n,
+            _ => runs.push((n, n)),
+        }
+    }
+    let text: Vec<String> =
+        runs.iter().map(|&(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") }).collect();
+    text.join(",")
 }
 
 /// The reconfigurations as a text table.
 #[must_use]
 pub fn table(rs: &[Reconfiguration]) -> String {
     let mut s = String::from(
-        " #  kind    trigger      nodes    procs     how                    decide   spawn  connect  redist  release    total (ms)\n",
+        " #  kind    trigger      nodes    procs     how                    decide   spawn  connect  redist  release    total (ms)  nodes joined (+) / left (-)\n",
     );
     for r in rs {
         let p = &r.phases_ms;
@@ -142,7 +195,7 @@ pub fn table(rs: &[Reconfiguration]) -> String {
         };
         let _ = writeln!(
             s,
-            "{:>2}  {:<6}  {:<11} {:>3}->{:<3}  {:>3}->{:<4} {:<22} {:>6.1}  {:>6.1}  {:>7.1}  {:>6.1}  {:>7.1}  {:>7.1}",
+            "{:>2}  {:<6}  {:<11} {:>3}->{:<3}  {:>3}->{:<4} {:<22} {:>6.1}  {:>6.1}  {:>7.1}  {:>6.1}  {:>7.1}  {:>7.1}       {}",
             r.seq,
             r.kind,
             r.trigger,
@@ -156,8 +209,60 @@ pub fn table(rs: &[Reconfiguration]) -> String {
             p.connect,
             p.redistribute,
             p.release,
-            p.total
+            p.total,
+            r.where_text()
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn change(kind: &'static str, nodes: (u32, u32), added: &[u32], released: &[u32]) -> Reconfiguration {
+        Reconfiguration {
+            seq: 2,
+            epoch: 2,
+            kind,
+            trigger: "policy",
+            method: None,
+            strategy: None,
+            spawn_steps: 0,
+            procs_before: nodes.0 * 2,
+            procs_after: nodes.1 * 2,
+            nodes_before: nodes.0,
+            nodes_after: nodes.1,
+            added_nodes: added.to_vec(),
+            released_nodes: released.to_vec(),
+            root_takeover: false,
+            phases_ms: Phases { total: 4.25, ..Phases::default() },
+        }
+    }
+
+    #[test]
+    fn node_ids_are_sorted_and_runs_shortened() {
+        assert_eq!(ids(&[]), "");
+        assert_eq!(ids(&[3]), "3");
+        assert_eq!(ids(&[7, 1, 2, 3, 5, 6, 2]), "1-3,5-7");
+        assert_eq!(node_list(&[4]), "node 4");
+        assert_eq!(node_list(&[4, 9, 5]), "nodes 4-5, 9");
+    }
+
+    #[test]
+    fn a_summary_and_the_table_say_which_nodes_joined_and_left() {
+        let grow = change("grow", (1, 4), &[1, 2, 3], &[]);
+        assert_eq!(grow.summary(), "resize 2: 1 -> 4 nodes, 2 -> 8 processes (grow; nodes 1-3 join) in 4.2 ms");
+        let shrink = change("shrink", (4, 2), &[], &[3, 2]);
+        assert_eq!(shrink.summary(), "resize 2: 4 -> 2 nodes, 8 -> 4 processes (shrink; nodes 2-3 leave) in 4.2 ms");
+        // A baseline growth starts new nodes and releases the old ones.
+        let baseline = change("grow", (1, 2), &[1, 2], &[0]);
+        assert!(baseline.summary().contains("(grow; nodes 1-2 join; node 0 leaves)"), "{}", baseline.summary());
+        let within = change("shrink", (2, 2), &[], &[]);
+        assert!(within.summary().contains("processes (shrink) in"), "{}", within.summary());
+        let t = table(&[grow, shrink]);
+        let rows: Vec<&str> = t.lines().collect();
+        assert!(rows[0].ends_with("nodes joined (+) / left (-)"), "{t}");
+        assert!(rows[1].ends_with(" +1-3") && rows[2].ends_with(" -2-3"), "{t}");
+    }
 }
