@@ -103,6 +103,13 @@ fn jacobi_gives_the_rigid_checksum_through_every_kind_of_resize() {
             &[],
             &[("grow", 1, 3), ("shrink", 3, 1)],
         ),
+        // A preferred count of 2 nodes: the policy's step to 1 node becomes 2, both
+        // as the first step (a growth) and after 4 nodes.
+        (
+            &["--nodes", "1", "--slots", "1", "--max-nodes", "4", "--preferred-nodes", "2", "--policy", "steps:1,4,1"],
+            &[],
+            &[("grow", 1, 2), ("grow", 2, 4), ("shrink", 4, 2)],
+        ),
         // The application asks for 5 processes (an evolving job).
         (&["-n", "2", "--slots", "2", "--max-nodes", "3"], &["--ask", "5"], &[("grow", 1, 3)]),
         // Background checkpoints: the solver computes while new node worlds start.
@@ -151,6 +158,27 @@ fn jacobi_gives_the_rigid_checksum_through_every_kind_of_resize() {
             assert_eq!(p["background"].as_f64().unwrap() > 0.0, opts.contains(&"--background"), "{r}");
         }
     }
+}
+
+#[test]
+fn dozens_of_grow_and_shrink_cycles_in_a_row_keep_the_data_and_leave_nothing() {
+    // inc-dec over 1..=3 nodes of 2 slots, a change at every checkpoint: 48 changes,
+    // 12 cycles of 1 -> 2 -> 3 -> 2 -> 1 nodes.
+    const CHANGES: usize = 48;
+    let opts = ["--nodes", "1", "--slots", "2", "--max-nodes", "3", "--policy", "inc-dec"];
+    let until = CHANGES.to_string();
+    let (sum, report) = jacobi(&opts, &["--iters", "480", "--until-changes", &until], "cycles.json");
+    let iters = sum.rsplit(' ').next().unwrap().to_string();
+    assert_eq!(sum, jacobi(&["-n", "3"], &["--iters", &iters], "cycles-rigid.json").0);
+    let want: Vec<(String, u64, u64)> = [1u64, 2, 3, 2]
+        .iter()
+        .cycle()
+        .zip([2u64, 3, 2, 1].iter().cycle())
+        .take(CHANGES)
+        .map(|(&a, &b)| (if b > a { "grow" } else { "shrink" }.to_string(), a, b))
+        .collect();
+    let got = kinds(&report);
+    assert_eq!(got[..CHANGES.min(got.len())], want[..], "{report}");
 }
 
 /// Reads lines from the job's stdout until one starts with `prefix`.
@@ -244,10 +272,16 @@ fn ductile_resize_drives_a_running_job_and_refuses_bad_requests() {
     }
     let out = ask(&job, "--nodes", "3");
     assert!(out.status.success(), "{out:?}");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("1 -> 3 nodes, 2 -> 6 processes"), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("1 -> 3 nodes, 2 -> 6 processes (grow; nodes 1-2 join)"),
+        "{out:?}"
+    );
     let out = ask(&socket, "--procs", "3");
     assert!(out.status.success(), "{out:?}");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("3 -> 2 nodes, 6 -> 3 processes"), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("3 -> 2 nodes, 6 -> 3 processes (shrink; node 2 leaves)"),
+        "{out:?}"
+    );
 
     let status = wait_with_timeout(&mut child, Duration::from_secs(60));
     let rest: Vec<String> = err.map(|l| l.unwrap()).collect();
@@ -333,6 +367,31 @@ fn a_growth_pays_the_start_up_of_new_processes_once_not_once_per_step() {
     let doc = read_report(&report);
     let spawn = doc["reconfigurations"][0]["phases_ms"]["spawn"].as_f64().expect("a growth in the report");
     assert!((600.0..1000.0).contains(&spawn), "spawn phase {spawn} ms: {doc}");
+}
+
+#[test]
+fn ctrl_c_in_the_middle_of_a_growth_leaves_no_process() {
+    // 1 -> 4 nodes; every new process sleeps 30 s before it joins. Ctrl-C comes once a
+    // new node world is up and its process is starting: the launcher ends the job
+    // (130) at once, new processes and all, and nothing of it is left.
+    let report = tmp("ctrl-c-growth.json");
+    let marker = tmp("ctrl-c-growth.marker");
+    let _ = std::fs::remove_file(&marker);
+    let mark = format!("ctrl-c-growth-{}", std::process::id());
+    let mut all = vec!["run", "-n", "1", "--nodes", "1", "--max-nodes", "4", "--policy", "steps:4"];
+    all.extend(["--timeout", "120", "--report", report.to_str().unwrap(), "--"]);
+    let fault = ex("fault");
+    all.extend([fault.as_str(), "join-slow", marker.to_str().unwrap(), "30000"]);
+    let mut child = ductile(&all).env(common::MARK, &mark).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    // The launcher, the first agent and its rank, and a new agent and its process.
+    common::await_marked(&mark, 5);
+    let start = Instant::now();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGINT).unwrap();
+    let status = wait_with_timeout(&mut child, Duration::from_secs(20));
+    assert_eq!(status.code(), Some(130));
+    assert!(start.elapsed() < Duration::from_secs(10), "Ctrl-C took {:?}", start.elapsed());
+    assert_eq!(common::marked(&mark), Vec::<u64>::new(), "processes of the job still running");
+    assert_no_survivors(&report);
 }
 
 /// `ductile run` of `fault join-exit MARKER CODE...` (`code`), grown from 1 to 4 nodes
