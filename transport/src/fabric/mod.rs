@@ -7,8 +7,11 @@
 //! libfabric's choice (which honours `FI_PROVIDER`): the first provider with RDM
 //! endpoints, tagged messages and RMA reads, at API 1.17, thread-safe. Providers
 //! addressed by IP (`tcp;ofi_rxm`, `verbs;ofi_rxm`) are bound to the configured bind
-//! host (127.0.0.1 by default, so the loopback domain). An address is the endpoint's
-//! `fi_getname` bytes, shown as `ofi:` and hex.
+//! host (127.0.0.1 by default, so the loopback domain). The probe is bounded by the
+//! connect timeout (a provider probing absent hardware fails the bind with a clear
+//! error, not a hang), and the choice and why it was made are logged at `info`
+//! (`DUCTILE_LOG=info`). `FI_PROVIDER=^NAME` leaves a provider out. An address is the
+//! endpoint's `fi_getname` bytes, shown as `ofi:` and hex.
 //!
 //! **Messages** ([`wire`]). Every message is a tagged send with the protocol's one tag
 //! (a magic and a version); receives are posted for exactly that tag from any source,
@@ -186,6 +189,32 @@ fn find(provider: Option<&str>, host: &str) -> Result<Info, OfiError> {
     }
 }
 
+/// [`find`] within `limit`. `fi_getinfo` probes every provider libfabric was built
+/// with, and one probing absent or wedged hardware can take long or never return. So
+/// the probe runs on a thread of its own; past the limit the caller gets `None` and can
+/// fail with a clear error, and the thread, which cannot be cancelled, ends with the
+/// process.
+fn find_within(provider: Option<&str>, host: &str, limit: std::time::Duration) -> Option<Result<Info, OfiError>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (p, h) = (provider.map(str::to_owned), host.to_owned());
+    let probe = move || {
+        let _ = tx.send(find(p.as_deref(), &h));
+    };
+    if std::thread::Builder::new().name("ductile-fi-probe".into()).spawn(probe).is_err() {
+        return Some(find(provider, host));
+    }
+    rx.recv_timeout(limit).ok()
+}
+
+/// Why the provider was the one chosen, for the log.
+fn why_chosen(asked: Option<&str>, env: Option<&str>) -> String {
+    match (asked, env) {
+        (Some(p), _) => format!("asked for by name ({p})"),
+        (None, Some(f)) => format!("libfabric's first match under FI_PROVIDER={f}"),
+        (None, None) => "libfabric's first match: none was named (--fabric-provider or FI_PROVIDER)".into(),
+    }
+}
+
 impl FabricTransport {
     /// Opens an endpoint of the configured provider (see the module docs), posts its
     /// receive buffers and starts its progress thread.
@@ -203,15 +232,30 @@ impl FabricTransport {
             source: std::io::Error::other(e),
         };
         sys::load().map_err(bind_err)?;
-        let info = find(provider.as_deref(), &host).map_err(|e| {
-            let what = "no such provider offers reliable datagram endpoints with tagged messages and RMA reads";
-            if e.code == sys::FI_ENODATA as i32 {
-                bind_err(format!("{what} ({e})"))
-            } else {
-                bind_err(e.to_string())
-            }
-        })?;
+        let limit = setup.config.get_connect_timeout();
+        let info = find_within(provider.as_deref(), &host, limit)
+            .ok_or_else(|| {
+                bind_err(format!(
+                    "fi_getinfo did not return within {limit:?}: a provider may be probing absent hardware; \
+                     name one with --fabric-provider, or leave one out with FI_PROVIDER=^NAME"
+                ))
+            })?
+            .map_err(|e| {
+                let what = "no such provider offers reliable datagram endpoints with tagged messages and RMA reads";
+                if e.code == sys::FI_ENODATA as i32 {
+                    bind_err(format!("{what} ({e})"))
+                } else {
+                    bind_err(e.to_string())
+                }
+            })?;
         let attrs = info.attrs();
+        let env = std::env::var("FI_PROVIDER").ok();
+        tracing::info!(
+            "fabric: provider {} on domain {}, {}",
+            attrs.provider,
+            attrs.domain,
+            why_chosen(provider.as_deref(), env.as_deref())
+        );
         if attrs.provider == "shm" {
             // Before this process's first shm endpoint: regions named for its pid that it
             // has not mapped are a dead process's, and libfabric crashes opening an
@@ -470,6 +514,19 @@ mod tests {
             inject_size: 4096,
             addr_format: 0,
         }
+    }
+
+    #[test]
+    fn probing_providers_is_bounded_and_the_choice_explained() {
+        // fi_getinfo takes far longer than a nanosecond (it loads providers, reads
+        // /proc/kallsyms); with time it finds shm.
+        sys::load().expect("libfabric is installed");
+        assert!(find_within(Some("shm"), "127.0.0.1", std::time::Duration::from_nanos(1)).is_none());
+        let found = find_within(Some("shm"), "127.0.0.1", std::time::Duration::from_secs(60));
+        assert_eq!(found.expect("within a minute").expect("shm is offered").attrs().provider, "shm");
+        assert_eq!(why_chosen(Some("shm"), Some("tcp")), "asked for by name (shm)");
+        assert!(why_chosen(None, Some("^psm3")).contains("FI_PROVIDER=^psm3"));
+        assert!(why_chosen(None, None).contains("none was named"));
     }
 
     #[test]
