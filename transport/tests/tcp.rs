@@ -62,6 +62,54 @@ async fn garbage_truncated_and_oversized_clients_are_dropped() {
     assert_eq!(eps[1].recv(from(0, 1), T).await.unwrap().payload, &b"still fine"[..]);
 }
 
+/// A peer that holds the key and passed the handshake, then sends a bad frame: only its
+/// connection closes. What it sent before the bad frame is delivered, nothing after it,
+/// and the other peers carry on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_authenticated_peer_sending_a_bad_frame_loses_only_its_connection() {
+    use ductile_transport::frame::{FrameHeader, FrameKind};
+    use tokio::io::AsyncReadExt;
+    let eps = job(3, 1);
+    let addr: std::net::SocketAddr = eps[1].transport().local_addr().0.parse().unwrap();
+    // Rank 2's identity, on a raw socket (its endpoint stays silent).
+    let me = Identity { job: JobId(77), key: JobKey::from_bytes([1; 32]), rank: Rank(2) };
+    let data = |src: u32, len: u64| FrameHeader::data(Rank(src), Context(0), Tag(9), len).encode();
+    let mut bad_magic = data(2, 1);
+    bad_magic[0] ^= 0xff;
+    let mut unknown_kind = data(2, 1);
+    unknown_kind[3] = 0xee;
+    let bye_with_fields = {
+        let mut b = FrameHeader::bye(Rank(2)).encode();
+        b[12] = 1;
+        b
+    };
+    let get_request_too_long = FrameHeader::get(FrameKind::GetRequest, Rank(2), 1, 1 << 20).encode();
+    for (what, bad) in [
+        ("bad magic", bad_magic),
+        ("unknown kind", unknown_kind),
+        ("another rank's frame", data(0, 1)),
+        ("a payload over the cap", data(2, u64::MAX)),
+        ("a goodbye with fields set", bye_with_fields),
+        ("a get request of the wrong length", get_request_too_long),
+    ] {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        ductile_transport::auth::dial(&mut s, &me, Rank(1), T).await.unwrap();
+        let mut good = data(2, 4).to_vec();
+        good.extend_from_slice(b"good");
+        s.write_all(&good).await.unwrap();
+        s.write_all(&bad).await.unwrap();
+        s.write_all(b"more bytes that must not be read").await.unwrap();
+        assert_eq!(eps[1].recv(from(2, 9), T).await.unwrap().payload, &b"good"[..], "{what}");
+        // The endpoint closes the connection: end of stream or a reset, within T.
+        let mut b = [0u8; 64];
+        let closed = tokio::time::timeout(T, s.read(&mut b)).await.unwrap_or_else(|_| panic!("{what}: still open"));
+        assert!(matches!(closed, Ok(0) | Err(_)), "{what}: {closed:?}");
+        eps[0].send(Rank(1), Context(0), Tag(1), Bytes::from_static(b"still fine")).await.unwrap();
+        assert_eq!(eps[1].recv(from(0, 1), T).await.unwrap().payload, &b"still fine"[..], "{what}");
+        assert_eq!(eps[1].mailbox().queued(), 0, "{what}: nothing else was delivered");
+    }
+}
+
 /// Many connections into one endpoint, read by an application thread that polls (past
 /// two connections it asks which are readable, see the backend's inbound module): every
 /// message arrives, in order per source, and peers that close leave nothing behind that
