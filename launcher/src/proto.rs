@@ -263,3 +263,24 @@ pub enum ResizeReply {
     /// It failed (and so did the job), with the reason.
     Failed(String),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ductile::bootstrap::read_msg;
+
+    proptest::proptest! {
+        /// Whatever bytes reach the controller's socket, an agent's channel or a
+        /// `ductile resize` client: a message or an error, never a panic.
+        #[test]
+        fn any_bytes_decode_to_a_message_or_an_error(body: Vec<u8>) {
+            let mut framed = u32::try_from(body.len()).unwrap().to_le_bytes().to_vec();
+            framed.extend_from_slice(&body);
+            let _ = read_msg::<Hello>(&mut &framed[..]);
+            let _ = read_msg::<ToAgent>(&mut &framed[..]);
+            let _ = read_msg::<FromAgent>(&mut &framed[..]);
+            let _ = read_msg::<ResizeReply>(&mut &framed[..]);
+            let _ = read_msg::<AgentHandoff>(&mut &framed[..]);
+        }
+    }
+}

@@ -401,4 +401,18 @@ mod tests {
         assert!(matches!(read_msg::<ToRank>(&mut &garbage[..]), Err(ControlError::Decode(_))));
         assert!(matches!(read_msg::<ToRank>(&mut &bytes[..5]), Err(ControlError::Io(_))));
     }
+
+    proptest::proptest! {
+        /// Whatever bytes come down a control channel, in either direction: a message or
+        /// an error, never a panic or an allocation past the cap.
+        #[test]
+        fn any_bytes_decode_to_a_message_or_an_error(body: Vec<u8>, claimed in 0u32..(2 * MAX_CONTROL_MSG)) {
+            for prefix in [claimed, u32::try_from(body.len()).unwrap()] {
+                let mut framed = prefix.to_le_bytes().to_vec();
+                framed.extend_from_slice(&body);
+                let _ = read_msg::<ToRank>(&mut &framed[..]);
+                let _ = read_msg::<FromRank>(&mut &framed[..]);
+            }
+        }
+    }
 }

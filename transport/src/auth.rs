@@ -291,6 +291,37 @@ mod tests {
         assert!(matches!(d, Err(HandshakeError::Auth(AuthError::WrongPeer { .. }))));
     }
 
+    proptest::proptest! {
+        // Half the cases wait out the timeout (a silent stranger) on both sides.
+        #![proptest_config(proptest::test_runner::Config::with_cases(64))]
+        /// Any bytes a stranger sends either side of the handshake end it with an error
+        /// (never a panic, never a hang past the timeout), and never authenticate.
+        #[test]
+        fn any_bytes_fail_the_handshake_on_both_sides(junk in proptest::collection::vec(proptest::num::u8::ANY, 0..300)) {
+            let mut hello = [0u8; HELLO_LEN];
+            let n = junk.len().min(HELLO_LEN);
+            hello[..n].copy_from_slice(&junk[..n]);
+            let _ = decode_hello(&hello);
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let t = Duration::from_millis(20);
+            let (listener, dialer) = rt.block_on(async {
+                // The stranger sends its bytes and hangs up, or stays silent.
+                let (mut a, mut b) = tokio::io::duplex(1024);
+                a.write_all(&junk).await.unwrap();
+                let hang_up = junk.len() % 2 == 0;
+                let _kept = (!hang_up).then_some(a);
+                let listener = accept(&mut b, &ident(0, 7), |_| true, t).await;
+                let (mut c, mut d) = tokio::io::duplex(1024);
+                c.write_all(&junk).await.unwrap();
+                let _kept = (!hang_up).then_some(c);
+                let dialer = dial(&mut d, &ident(1, 7), Rank(0), t).await;
+                (listener, dialer)
+            });
+            proptest::prop_assert!(listener.is_err(), "{listener:?}");
+            proptest::prop_assert!(dialer.is_err(), "{dialer:?}");
+        }
+    }
+
     #[tokio::test]
     async fn garbage_and_silence_fail() {
         let (mut a, mut b) = tokio::io::duplex(1024);
