@@ -1,4 +1,4 @@
-//! The QUIC backend (quinn, rustls with the ring provider).
+//! The QUIC backend (quinn, rustls with ring, and aws-lc-rs for the packet ciphers).
 //!
 //! Each rank binds one UDP socket as a quinn endpoint that both listens and dials.
 //!
