@@ -45,6 +45,9 @@ echo "== cargo fmt --check"
 cargo fmt --all --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked --all-features -- -D warnings
+# A plain `cargo build` (tcp only, no C dependency) must keep working too.
+echo "== cargo clippy, default features only"
+cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== build (binaries, examples, tests)"
 cargo build --workspace --all-targets --locked "${FEATURES[@]}"
 echo "== tests"
