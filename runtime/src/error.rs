@@ -9,6 +9,17 @@ pub enum Error {
     /// A transport failure (I/O, timeout naming the peer, peer gone, ...).
     #[error(transparent)]
     Transport(#[from] TransportError),
+    /// A transport failure about a peer, with where that peer is: the transport names
+    /// endpoints, which are not the group's ranks once the job has changed size or the
+    /// group was built from a process set.
+    #[error("{error} ({whereabouts})")]
+    Peer {
+        /// The transport's error.
+        error: TransportError,
+        /// The peer's rank in the group that saw the error, and its node: `on node 1`,
+        /// or `rank 5 is rank 2 of this group, on node 1`.
+        whereabouts: String,
+    },
     /// Joining the job failed.
     #[error("bootstrap failed: {0}")]
     Bootstrap(String),

@@ -12,8 +12,8 @@ use bytemuck::Pod;
 use bytes::Bytes;
 use ductile_transport::transport::describe;
 use ductile_transport::{
-    Context, Endpoint, Envelope, Part, Pattern, PendingRecv, Rank, Received, SrcMatch, Tag, TagMatch, TransportError,
-    WindowId,
+    Context, Endpoint, Envelope, NodeId, Part, Pattern, PendingRecv, Rank, Received, SrcMatch, Tag, TagMatch,
+    TransportError, WindowId,
 };
 use rustc_hash::FxHashMap;
 use serde::de::DeserializeOwned;
@@ -41,6 +41,8 @@ struct Core {
     /// Group position of each member (FxHash: looked up on every message received).
     index: FxHashMap<Rank, usize>,
     timeout: Duration,
+    /// Node of each endpoint the group may name in an error (empty: none known).
+    nodes: Arc<FxHashMap<Rank, NodeId>>,
 }
 
 thread_local! {
@@ -76,7 +78,62 @@ impl AsyncGroup {
         if index.len() != members.len() {
             return Err(Error::Invalid("a rank appears twice in the group".into()));
         }
-        Ok(Self { core: Arc::new(Core { endpoint, ctx, rank, members, index, timeout }), timed: true })
+        let nodes = Arc::default();
+        Ok(Self { core: Arc::new(Core { endpoint, ctx, rank, members, index, timeout, nodes }), timed: true })
+    }
+
+    /// The same new group, knowing the node of each endpoint, so that its errors say
+    /// where a peer is.
+    pub(crate) fn placed(mut self, nodes: Arc<FxHashMap<Rank, NodeId>>) -> Self {
+        match Arc::get_mut(&mut self.core) {
+            Some(core) => core.nodes = nodes,
+            None => debug_assert!(false, "placed() is for a group nobody shares yet"),
+        }
+        self
+    }
+
+    /// Where endpoint `ep` is, for an error naming it: `on node 1`, or `rank 5 is rank 2
+    /// of this group, on node 1` when its endpoint id is not its rank here.
+    fn whereabouts(&self, ep: Rank) -> Option<String> {
+        let node = self.core.nodes.get(&ep);
+        match (self.core.index.get(&ep), node) {
+            (Some(&g), Some(n)) if g == ep.0 as usize => Some(format!("on {n}")),
+            (Some(&g), Some(n)) => Some(format!("{ep} is rank {g} of this group, on {n}")),
+            (Some(&g), None) if g != ep.0 as usize => Some(format!("{ep} is rank {g} of this group")),
+            (None, Some(n)) => Some(format!("{ep} is not in this group; it is on {n}")),
+            _ => None,
+        }
+    }
+
+    /// `e`, saying where the peer it names is, if the group knows.
+    fn located(&self, e: Error) -> Error {
+        match e {
+            Error::Transport(error) => match error.peer().and_then(|p| self.whereabouts(p)) {
+                Some(whereabouts) => Error::Peer { error, whereabouts },
+                None => Error::Transport(error),
+            },
+            e => e,
+        }
+    }
+
+    /// The error of a wait for `p`, saying where its source is.
+    fn failed(&self, e: TransportError, p: &Pattern) -> Error {
+        match e {
+            TransportError::Timeout { after, .. } => TransportError::Timeout { what: self.waited_for(p), after }.into(),
+            e => self.located(e.into()),
+        }
+    }
+
+    /// What a wait for `p` waited for, saying where its source is.
+    fn waited_for(&self, p: &Pattern) -> String {
+        let what = describe(p);
+        match p.src {
+            SrcMatch::Rank(ep) => match self.whereabouts(ep) {
+                Some(w) => format!("{what}; {w}"),
+                None => what,
+            },
+            SrcMatch::Any => what,
+        }
     }
 
     /// This process's rank in the group.
@@ -104,7 +161,7 @@ impl AsyncGroup {
     /// Sends raw bytes with any tag, including runtime tags.
     pub(crate) async fn send_tagged(&self, dst: usize, tag: Tag, payload: Bytes) -> Result<()> {
         let to = self.member(dst)?;
-        Ok(self.core.endpoint.send(to, self.core.ctx, tag, payload).await?)
+        self.core.endpoint.send(to, self.core.ctx, tag, payload).await.map_err(|e| self.located(e.into()))
     }
 
     /// Whether one-sided reads of one owner are served one at a time by the transport
@@ -171,7 +228,7 @@ impl AsyncGroup {
     pub(crate) async fn recv_tagged(&self, src: Option<usize>, tag: TagMatch) -> Result<(Bytes, Status)> {
         let pattern = self.pattern(src, tag)?;
         let env = if self.timed {
-            self.core.endpoint.recv(pattern, self.core.timeout).await?
+            self.core.endpoint.recv(pattern, self.core.timeout).await.map_err(|e| self.failed(e, &pattern))?
         } else {
             WAITING_FOR.set(Some(pattern));
             self.core.endpoint.post(pattern)?.await?
@@ -207,8 +264,8 @@ impl AsyncGroup {
                 let st = Status { source, tag: env.tag.0, len };
                 Ok(((!landed).then_some(env.payload), st))
             }
-            Some(Err(e)) => Err(e.into()),
-            None => Err(TransportError::Timeout { what: describe(&pattern), after: core.timeout }.into()),
+            Some(Err(e)) => Err(self.located(e.into())),
+            None => Err(TransportError::Timeout { what: self.waited_for(&pattern), after: core.timeout }.into()),
         }
     }
 
@@ -233,9 +290,8 @@ impl AsyncGroup {
     async fn await_posted<T: Received>(&self, pattern: Pattern, pending: PendingRecv<'_, T>) -> Result<T> {
         if self.timed {
             let after = self.core.timeout;
-            Ok(tokio::time::timeout(after, pending)
-                .await
-                .map_err(|_| TransportError::Timeout { what: describe(&pattern), after })??)
+            let waited = |_| TransportError::Timeout { what: self.waited_for(&pattern), after };
+            Ok(tokio::time::timeout(after, pending).await.map_err(waited)?.map_err(|e| self.located(e.into()))?)
         } else {
             WAITING_FOR.set(Some(pattern));
             Ok(pending.await?)
@@ -307,9 +363,9 @@ impl AsyncGroup {
         let from = self.member(src)?;
         let ep = &self.core.endpoint;
         if self.timed {
-            return Ok(ep.get(from, id, offset, len, self.core.timeout).await?);
+            return ep.get(from, id, offset, len, self.core.timeout).await.map_err(|e| self.located(e.into()));
         }
-        // Inside a blocking call, which bounds the whole call.
+        // Inside a blocking call, which bounds the whole call (and locates its errors).
         Ok(ep.transport().get(from, id, offset, len).await?)
     }
 
@@ -327,9 +383,9 @@ impl AsyncGroup {
         let from = self.member(src)?;
         let ep = &self.core.endpoint;
         if self.timed {
-            return Ok(ep.get_into(from, id, offset, into, self.core.timeout).await?);
+            return ep.get_into(from, id, offset, into, self.core.timeout).await.map_err(|e| self.located(e.into()));
         }
-        // Inside a blocking call, which bounds the whole call.
+        // Inside a blocking call, which bounds the whole call (and locates its errors).
         Ok(ep.transport().get_into(from, id, offset, into).await?)
     }
 
@@ -437,6 +493,7 @@ impl Group {
             members: c.members.clone(),
             index: c.index.clone(),
             timeout,
+            nodes: c.nodes.clone(),
         };
         Self::new(AsyncGroup { core: Arc::new(core), timed: true }, self.handle.clone(), self.spin)
     }
@@ -456,9 +513,10 @@ impl Group {
         let r = ep.blocking_call(|| crate::blocking::block_on(&self.handle, self.spin, core.timeout, ep, f));
         let waited = WAITING_FOR.replace(outer);
         match r {
-            Some(r) => r,
+            Some(r) => r.map_err(|e| self.inner.located(e)),
             None => {
-                let what = waited.map_or_else(|| "its sends or gets to complete".to_string(), |p| describe(&p));
+                let what =
+                    waited.map_or_else(|| "its sends or gets to complete".to_string(), |p| self.inner.waited_for(&p));
                 Err(TransportError::Timeout { what, after: core.timeout }.into())
             }
         }
@@ -664,6 +722,37 @@ mod tests {
 
     fn runtime() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap()
+    }
+
+    #[test]
+    fn errors_say_which_rank_of_the_group_a_peer_is_and_on_which_node() {
+        let rt = runtime();
+        // Group rank 0 is endpoint 1, on node 7; group rank 1 is endpoint 0, on node 4.
+        let members = vec![Rank(1), Rank(0)];
+        let nodes: Arc<FxHashMap<Rank, NodeId>> =
+            Arc::new([(Rank(1), NodeId(7)), (Rank(0), NodeId(4))].into_iter().collect());
+        let mut eps: Vec<_> = MemHub::endpoints(2).into_iter().map(Some).collect();
+        let group = |ep, pos| {
+            let g = AsyncGroup::new(ep, Context(0), members.clone(), pos, Duration::from_millis(30)).unwrap();
+            Group::new(g.placed(nodes.clone()), rt.handle().clone(), Duration::from_micros(20))
+        };
+        let (a, b) = (group(eps[1].take().unwrap(), 0), group(eps[0].take().unwrap(), 1));
+        let want = "rank 0 is rank 1 of this group, on node 4";
+        let e = a.recv_bytes(Some(1), Some(7)).unwrap_err().to_string();
+        assert!(e.contains("a message from rank 0 (tag 7") && e.contains(want), "{e}");
+        let e = rt.block_on(a.as_async().recv_bytes(Some(1), Some(7))).unwrap_err().to_string();
+        assert!(e.contains("a message from rank 0 (tag 7") && e.contains(want), "async: {e}");
+        // A member whose endpoint id is its rank in the group: only its node is added.
+        let mut others = MemHub::endpoints(2).into_iter();
+        let same =
+            AsyncGroup::new(others.next().unwrap(), Context(0), vec![Rank(0), Rank(1)], 0, Duration::from_millis(30));
+        let same = same.unwrap().placed(nodes.clone());
+        assert_eq!(same.whereabouts(Rank(1)).as_deref(), Some("on node 7"));
+        assert_eq!(same.whereabouts(Rank(9)), None, "an endpoint it knows nothing of");
+        rt.block_on(b.inner.core.endpoint.transport().close());
+        let e = a.send_bytes(1, 3, Bytes::from_static(b"x")).unwrap_err();
+        assert!(matches!(e, Error::Peer { error: TransportError::PeerClosed(Rank(0)), .. }), "{e:?}");
+        assert_eq!(e.to_string(), format!("rank 0 has closed its endpoint ({want})"));
     }
 
     #[test]

@@ -391,6 +391,11 @@ fn node_count(m: &Membership) -> u32 {
     m.nodes.iter().collect::<std::collections::BTreeSet<_>>().len() as u32
 }
 
+/// The node of every endpoint of `ms`, for groups to say where a peer is in errors.
+fn placement<'a>(ms: impl IntoIterator<Item = &'a Membership>) -> Arc<rustc_hash::FxHashMap<Rank, NodeId>> {
+    Arc::new(ms.into_iter().flat_map(|m| m.ranks.iter().copied().zip(m.nodes.iter().copied())).collect())
+}
+
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
@@ -448,7 +453,7 @@ impl Session {
                 Error::Bootstrap(format!("this process ({me}) is not in the membership it was given"))
             })?;
         let g = AsyncGroup::new(ep.clone(), world_context(m.epoch), m.ranks.clone(), pos, timeout)?;
-        Ok(Group::new(g, rt.handle().clone(), spin))
+        Ok(Group::new(g.placed(placement([m])), rt.handle().clone(), spin))
     }
 
     fn handle(&self) -> Result<tokio::runtime::Handle> {
@@ -650,7 +655,8 @@ impl Session {
             prep.members.clone(),
             prep.tpos,
             self.timeout,
-        )?;
+        )?
+        .placed(placement([&self.membership, &c.after]));
         let work = self.registry.start_background(g, prep.parts, &prep.new_pos, self.method, self.background_share);
         let m = Moving::spawn(rt, c, prep, work);
         let old = m.prep.tpos < m.prep.parts.old_n as usize;
@@ -685,7 +691,8 @@ impl Session {
             .position(|r| *r == me)
             .ok_or_else(|| Error::Reconfigure(format!("{me} is not part of the change to epoch {epoch}")))?;
         let tg =
-            AsyncGroup::new(self.endpoint.clone(), transition_context(epoch), members.clone(), tpos, self.timeout)?;
+            AsyncGroup::new(self.endpoint.clone(), transition_context(epoch), members.clone(), tpos, self.timeout)?
+                .placed(placement([&self.membership, &c.after]));
         let transition = Group::new(tg, self.handle()?, self.spin);
         let mut manifest = if tpos == 0 { self.registry.manifest() } else { Manifest::default() };
         transition.broadcast_value(0, &mut manifest)?;
@@ -828,7 +835,7 @@ impl Session {
             .position(|r| r == me)
             .ok_or_else(|| Error::Invalid(format!("this process (rank {me}) is not in {set}")))?;
         let g = AsyncGroup::new(self.endpoint.clone(), set_context(set), members, pos, self.timeout)?;
-        Ok(Group::new(g, self.handle()?, self.spin))
+        Ok(Group::new(g.placed(placement([&self.membership])), self.handle()?, self.spin))
     }
 
     /// The address this process's endpoint listens on (for diagnostics and tests).

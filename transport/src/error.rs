@@ -184,4 +184,20 @@ impl TransportError {
     pub fn io(peer: Rank, source: std::io::Error) -> Self {
         Self::Io { peer, source }
     }
+
+    /// The peer this error is about, if it names one.
+    #[must_use]
+    pub fn peer(&self) -> Option<Rank> {
+        match self {
+            Self::Io { peer, .. }
+            | Self::BadAddress { peer, .. }
+            | Self::Auth { peer, .. }
+            | Self::Frame { peer, .. }
+            | Self::SizeMismatch { peer, .. }
+            | Self::MessageTooLarge { peer, .. }
+            | Self::Window { peer, .. } => Some(*peer),
+            Self::UnknownPeer(peer) | Self::PeerLost(peer) | Self::PeerClosed(peer) => Some(*peer),
+            _ => None,
+        }
+    }
 }
