@@ -19,6 +19,7 @@
 
 use ductile_suite::bench::{median, ompi_relaunch};
 use ductile_suite::paths::{ductile_bin, example, mpi_peer, profile_dir};
+use ductile_suite::plot::{self, Bars};
 use serde_json::json;
 use std::process::Command;
 use std::time::Instant;
@@ -76,4 +77,16 @@ fn main() {
     let doc = json!({"reps": reps, "tasks": TASKS, "rows": rows});
     std::fs::write(&path, serde_json::to_string_pretty(&doc).expect("json")).expect("write results");
     println!("results: {}", path.display());
+    let series = [("Group::launch", "launch_ms"), ("fresh ductile run", "ductile_run_ms"), ("mpirun", "mpirun_ms")];
+    let bars = Bars {
+        title: "a child job of P processes, ms per job (median of jobs)",
+        y: "ms",
+        groups: rows.iter().map(|r| format!("P = {}", r["procs"])).collect(),
+        series: series
+            .iter()
+            .map(|(name, key)| (name.to_string(), rows.iter().map(|r| r[key].as_f64()).collect()))
+            .collect(),
+        log: false,
+    };
+    plot::write_beside(&path, &bars);
 }

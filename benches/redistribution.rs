@@ -61,6 +61,7 @@
 
 use ductile::{Checkpoint, Session};
 use ductile_suite::paths::{ductile_bin, mpi_peer, profile_dir};
+use ductile_suite::plot::{self, Bars};
 use serde_json::json;
 use std::io::{Read, Write};
 use std::path::Path;
@@ -596,6 +597,20 @@ fn main() {
         Ok(()) => println!("results: {}", out.display()),
         Err(e) => eprintln!("cannot write {}: {e}", out.display()),
     }
+    let title = format!("redistribution of {mib} MiB of f64, NS → NT (median of {reps} jobs)");
+    let cases = all.first().map(|(_, cases)| cases.as_slice()).unwrap_or_default();
+    let rate_of = |cs: &[Case], label: &str| cs.iter().find(|c| c.label == label).and_then(|c| rate(&c.runs, bytes));
+    let bars = Bars {
+        title: &title,
+        y: "GB/s (10^9 B/s)",
+        groups: all.iter().map(|((ns, nt), _)| format!("{ns}→{nt}")).collect(),
+        series: cases
+            .iter()
+            .map(|c| (c.short.clone(), all.iter().map(|(_, cs)| rate_of(cs, &c.label)).collect()))
+            .collect(),
+        log: false,
+    };
+    plot::write_beside(&out, &bars);
     if failed > 0 {
         eprintln!("{failed} case(s) FAILED (see above); their figures are missing, not measured");
         std::process::exit(1);

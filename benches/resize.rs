@@ -19,6 +19,7 @@
 
 use ductile_suite::bench::{median, mpirun, ompi_relaunch};
 use ductile_suite::paths::{ductile_bin, example, mpi_peer, profile_dir};
+use ductile_suite::plot::{self, Bars};
 use serde_json::json;
 use std::path::Path;
 use std::process::Command;
@@ -130,5 +131,30 @@ fn main() {
         eprintln!("cannot write {}: {e}", out.display());
     } else {
         println!("results: {}", out.display());
+    }
+    plot::write_beside(&out, &plot_of(&rows));
+}
+
+/// The figures as bars: one group per growth 1 → N nodes of S slots, log scale (Open
+/// MPI's times are one to two orders above).
+fn plot_of(rows: &[serde_json::Value]) -> Bars<'static> {
+    let series = [
+        ("ductile parallel/merge", "/ductile_grow_ms/parallel_merge"),
+        ("ductile single/merge", "/ductile_grow_ms/single_merge"),
+        ("ductile parallel/baseline", "/ductile_grow_ms/parallel_baseline"),
+        ("ductile single/baseline", "/ductile_grow_ms/single_baseline"),
+        ("ductile shrink N → 1", "/ductile_shrink_ms"),
+        ("Open MPI spawn + merge", "/ompi_spawn_merge_ms"),
+        ("mpirun relaunch", "/ompi_relaunch_ms"),
+    ];
+    Bars {
+        title: "growth 1 → N nodes of S slots (N×S) and its shrink back, median ms",
+        y: "ms",
+        groups: rows.iter().map(|r| format!("{}×{}", r["nodes"], r["slots"])).collect(),
+        series: series
+            .iter()
+            .map(|(name, at)| (name.to_string(), rows.iter().map(|r| r.pointer(at).and_then(|v| v.as_f64())).collect()))
+            .collect(),
+        log: true,
     }
 }
