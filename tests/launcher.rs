@@ -148,6 +148,16 @@ fn bad_command_lines_get_one_clear_line() {
     assert!(plan.contains("checkpoint 1: 1 -> 8 nodes: grow, 3 steps"), "{plan}");
     assert!(plan.contains("step 3: spawner 3 starts node 7 (1 processes)"), "{plan}");
     assert!(plan.contains("checkpoint 2: 8 -> 2 nodes: shrink, release nodes [7, 6, 5, 4, 3, 2]"), "{plan}");
+    // A preferred count raises steps below it, and makes `fixed` grow a smaller job.
+    let preferred = ["run", "--nodes", "1", "--max-nodes", "4", "--preferred-nodes", "2", "--dry-run"];
+    let out = run(&[&preferred[..], &["--policy", "steps:1,4,4,1", "--", "true"]].concat());
+    let plan = String::from_utf8_lossy(&out.stdout);
+    assert!(plan.contains("checkpoint 1: 1 -> 2 nodes: grow, 1 steps"), "{plan}");
+    assert!(plan.contains("checkpoint 3: 4 nodes: no change"), "{plan}");
+    assert!(plan.contains("checkpoint 4: 4 -> 2 nodes: shrink"), "{plan}");
+    let out = run(&[&preferred[..], &["--period", "5", "--", "true"]].concat());
+    let plan = String::from_utf8_lossy(&out.stdout);
+    assert!(plan.contains("checkpoint 5: 1 -> 2 nodes: grow"), "{plan}");
 }
 
 #[test]

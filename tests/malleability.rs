@@ -371,9 +371,10 @@ fn a_growth_pays_the_start_up_of_new_processes_once_not_once_per_step() {
 
 #[test]
 fn ctrl_c_in_the_middle_of_a_growth_leaves_no_process() {
-    // 1 -> 4 nodes; every new process sleeps 30 s before it joins. Ctrl-C comes once a
-    // new node world is up and its process is starting: the launcher ends the job
-    // (130) at once, new processes and all, and nothing of it is left.
+    // 1 -> 4 nodes; every new process sleeps 30 s before it joins. Ctrl-C comes once
+    // the growth is under way (5 of the job's processes up: the launcher, the first
+    // agent and its rank, and new agents or their starting processes): the launcher
+    // ends the job (130) at once, new processes and all, and nothing of it is left.
     let report = tmp("ctrl-c-growth.json");
     let marker = tmp("ctrl-c-growth.marker");
     let _ = std::fs::remove_file(&marker);
@@ -382,12 +383,12 @@ fn ctrl_c_in_the_middle_of_a_growth_leaves_no_process() {
     all.extend(["--timeout", "120", "--report", report.to_str().unwrap(), "--"]);
     let fault = ex("fault");
     all.extend([fault.as_str(), "join-slow", marker.to_str().unwrap(), "30000"]);
-    let mut child = ductile(&all).env(common::MARK, &mark).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-    // The launcher, the first agent and its rank, and a new agent and its process.
+    let child = ductile(&all).env(common::MARK, &mark).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let mut job = common::Running(child);
     common::await_marked(&mark, 5);
     let start = Instant::now();
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGINT).unwrap();
-    let status = wait_with_timeout(&mut child, Duration::from_secs(20));
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(job.0.id() as i32), nix::sys::signal::Signal::SIGINT).unwrap();
+    let status = wait_with_timeout(&mut job.0, Duration::from_secs(20));
     assert_eq!(status.code(), Some(130));
     assert!(start.elapsed() < Duration::from_secs(10), "Ctrl-C took {:?}", start.elapsed());
     assert_eq!(common::marked(&mark), Vec::<u64>::new(), "processes of the job still running");

@@ -55,8 +55,9 @@ pub struct RunArgs {
     /// Fewest nodes the job may shrink to.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub min_nodes: u32,
-    /// Preferred node count: no policy takes the job below it, and a job below it grows
-    /// to it at its next change point (DMR's sweet spot). Requests may still go below.
+    /// Preferred node count: no policy takes the job below it, and under `fixed` a job
+    /// started below it grows to it at the first change point (DMR's sweet spot).
+    /// Requests may still go below.
     #[arg(long, value_name = "N")]
     pub preferred_nodes: Option<u32>,
     /// When the job changes size: fixed, steps:A,B,C (node counts), inc-dec, random[:SEED].

@@ -17,10 +17,11 @@
 //! **Preferred count** (`--preferred-nodes P`, DMR's "sweet spot"): the size the
 //! job runs best at, below which the resource manager never takes it, while it may
 //! still grant growth up to the maximum. So P is every policy's floor instead of the
-//! minimum, and a job below P (started smaller, or shrunk by a request) goes to P at
-//! its next change point, under every policy. Requests from outside (`ductile
-//! resize`) and from the application are the user's own choice, bounded by min and
-//! max only.
+//! minimum, and under `fixed` a job started below P grows to P at its first change
+//! point (once: a growth that fails is not tried again). Requests from outside
+//! (`ductile resize`) and from the application are the user's own choice, bounded by
+//! min and max only; `fixed` and `steps:` leave their result alone, while `inc-dec` and
+//! `random`, which change the job at every change point, take it back to P or above.
 
 use std::str::FromStr;
 
@@ -101,11 +102,6 @@ impl Bounds {
         // Clamped into floor..=max, which fits in u32 (the floor is at most max).
         n.clamp(i64::from(self.floor()), i64::from(self.max)) as u32
     }
-
-    /// The preferred count, when a job of `nodes` nodes is below it.
-    fn raise(&self, nodes: u32) -> Option<u32> {
-        self.preferred.filter(|&p| nodes < p)
-    }
 }
 
 /// Decides resource changes for one job.
@@ -122,11 +118,12 @@ pub trait ResourceManager: Send {
 /// A policy named on the command line.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PolicySpec {
-    /// Never change.
+    /// Never change (but grow a job started below the preferred count to it).
     Fixed,
     /// Go through these node counts.
     Steps(Vec<u32>),
-    /// Up one node at a time to the maximum, then down to the minimum.
+    /// Up one node at a time to the maximum, then down to the floor (the preferred
+    /// count, else the minimum).
     IncDec,
     /// Random changes from this seed.
     Random(u64),
@@ -163,23 +160,25 @@ pub const DEFAULT_SEED: u64 = 0x5eed;
 pub fn build(spec: &PolicySpec, period: u64, bounds: Bounds) -> Box<dyn ResourceManager> {
     let period = period.max(1);
     match spec {
-        PolicySpec::Fixed => Box::new(Fixed { period, bounds }),
+        PolicySpec::Fixed => Box::new(Fixed { period, preferred: bounds.preferred }),
         PolicySpec::Steps(s) => Box::new(Steps { targets: s.clone(), period, bounds, next: 0 }),
         PolicySpec::IncDec => Box::new(IncDec { period, bounds, up: true }),
         PolicySpec::Random(seed) => Box::new(Random { period, bounds, rng: SplitMix64(*seed) }),
     }
 }
 
-/// Never changes the job, except to bring it up to its preferred count.
+/// Never changes the job, except to bring a job started below its preferred count up
+/// to it, at the first change point.
 struct Fixed {
     period: u64,
-    bounds: Bounds,
+    /// The preferred count, until the first change point has passed.
+    preferred: Option<u32>,
 }
 
 impl ResourceManager for Fixed {
     fn decide(&mut self, checkpoint: u64, nodes: u32) -> Option<u32> {
         change_point(checkpoint, self.period)?;
-        self.bounds.raise(nodes)
+        self.preferred.take().filter(|&p| nodes < p)
     }
 }
 
@@ -204,9 +203,7 @@ struct Steps {
 impl ResourceManager for Steps {
     fn decide(&mut self, checkpoint: u64, nodes: u32) -> Option<u32> {
         change_point(checkpoint, self.period)?;
-        let Some(&t) = self.targets.get(self.next) else {
-            return self.bounds.raise(nodes);
-        };
+        let t = *self.targets.get(self.next)?;
         self.next += 1;
         changed(self.bounds.clamp(i64::from(t)), nodes)
     }
@@ -326,16 +323,19 @@ mod tests {
         let b = Bounds::new(1, 6, Some(3)).unwrap();
         assert_eq!(b.floor(), 3);
         assert_eq!(bounds(2, 6).floor(), 2);
-        // fixed brings a smaller job up to it at the first change point, then stays.
+        // fixed brings a smaller job up to it at the first change point, then stays,
+        // even below it (after a request, or a growth that failed).
         assert_eq!(run(&mut *build(&PolicySpec::Fixed, 2, b), 1, 10), vec![3]);
         assert_eq!(run(&mut *build(&PolicySpec::Fixed, 1, b), 5, 10), Vec::<u32>::new());
+        let mut fixed = build(&PolicySpec::Fixed, 1, b);
+        assert_eq!(fixed.decide(1, 1), Some(3));
+        assert_eq!(fixed.decide(2, 1), None, "a growth to it that failed is not tried again");
         // inc-dec walks between it and the maximum.
         assert_eq!(run(&mut *build(&PolicySpec::IncDec, 1, b), 1, 9), vec![3, 4, 5, 6, 5, 4, 3, 4, 5]);
-        // steps are raised to it, and once the list is done a job below it goes back up.
+        // steps are raised to it; once the list is done the job stays as it is.
         let mut steps = build(&PolicySpec::Steps(vec![5, 1]), 1, b);
         assert_eq!(run(&mut *steps, 1, 4), vec![5, 3]);
-        assert_eq!(steps.decide(5, 2), Some(3), "after a request took the job below it");
-        assert_eq!(steps.decide(6, 3), None);
+        assert_eq!(steps.decide(5, 2), None, "after a request took the job below it");
         // random never goes below it.
         let seen = run(&mut *build(&PolicySpec::Random(7), 1, b), 3, 60);
         assert!(seen.len() >= 10 && seen.iter().all(|&n| (3..=6).contains(&n)), "{seen:?}");

@@ -1,12 +1,13 @@
-//! What `--dry-run` prints: the node map, and for a `steps:` policy every planned change
-//! (who starts which node world in which step, which nodes a shrink releases), computed
-//! with the same pure planners the controller uses.
+//! What `--dry-run` prints: the node map, and for a `steps:` policy (or `fixed` with a
+//! preferred count above the start) every planned change (who starts which node world
+//! in which step, which nodes a shrink releases), computed with the same policy state
+//! machine and pure planners the controller uses.
 
 use crate::controller::JobSpec;
 use crate::membership::JobState;
 use crate::plan::resize::{plan_resize, Resize, Target};
 use crate::plan::spawn::plan_expansion;
-use crate::policy::PolicySpec;
+use crate::policy::{self, PolicySpec};
 use crate::proto::{NodeStarted, RankStarted, Token};
 use ductile_transport::{EndpointAddr, NodeId};
 use std::fmt::Write as _;
@@ -25,12 +26,23 @@ pub fn preview(spec: &JobSpec) -> String {
         let last = n.ranks.end.saturating_sub(1);
         let _ = writeln!(s, "  {}: {} slots, ranks {}..={}", n.node, n.slots, n.ranks.start, last);
     }
-    let PolicySpec::Steps(steps) = &spec.policy else { return s };
+    // The change points a schedule that ends can use.
+    let points = match &spec.policy {
+        PolicySpec::Steps(steps) => steps.len() as u64,
+        PolicySpec::Fixed => 1,
+        _ => return s,
+    };
     let nodes: Vec<NodeId> = spec.layout.nodes.iter().flat_map(|n| n.ranks.clone().map(move |_| n.node)).collect();
     let addrs = vec![EndpointAddr(String::new()); nodes.len()];
     let mut state = JobState::initial(nodes, addrs, spec.slots.clone());
-    for (k, &t) in steps.iter().enumerate() {
-        let cp = (k as u64 + 1) * spec.period;
+    let mut rm = policy::build(&spec.policy, spec.period, spec.bounds);
+    for cp in (1..=points).map(|k| k * spec.period.max(1)) {
+        let Some(t) = rm.decide(cp, state.node_count()) else {
+            if matches!(spec.policy, PolicySpec::Steps(_)) {
+                let _ = writeln!(s, "checkpoint {cp}: {} nodes: no change", state.node_count());
+            }
+            continue;
+        };
         let _ = write!(s, "checkpoint {cp}: {} -> {t} nodes: ", state.node_count());
         match plan_resize(&state.allocation(), Target::Nodes(t), &spec.bounds) {
             Err(e) => {

@@ -193,8 +193,7 @@ pub fn table(rs: &[Reconfiguration]) -> String {
             (Some(m), Some(st)) => format!("{m}/{st}, {} st", r.spawn_steps),
             _ => "terminate".to_string(),
         };
-        let _ = writeln!(
-            s,
+        let row = format!(
             "{:>2}  {:<6}  {:<11} {:>3}->{:<3}  {:>3}->{:<4} {:<22} {:>6.1}  {:>6.1}  {:>7.1}  {:>6.1}  {:>7.1}  {:>7.1}       {}",
             r.seq,
             r.kind,
@@ -212,6 +211,7 @@ pub fn table(rs: &[Reconfiguration]) -> String {
             p.total,
             r.where_text()
         );
+        let _ = writeln!(s, "{}", row.trim_end());
     }
     s
 }

@@ -15,6 +15,7 @@ pub enum Error {
     #[error("{error} ({whereabouts})")]
     Peer {
         /// The transport's error.
+        #[source]
         error: TransportError,
         /// The peer's rank in the group that saw the error, and its node: `on node 1`,
         /// or `rank 5 is rank 2 of this group, on node 1`.

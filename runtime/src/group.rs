@@ -116,6 +116,17 @@ impl AsyncGroup {
         }
     }
 
+    /// The error of an operation with `peer` (a get), saying where `peer` is, also when
+    /// it is a timeout (which names no peer of its own).
+    fn at(&self, e: TransportError, peer: Rank) -> Error {
+        match (e, self.whereabouts(peer)) {
+            (TransportError::Timeout { what, after }, Some(w)) => {
+                TransportError::Timeout { what: format!("{what}; {w}"), after }.into()
+            }
+            (e, _) => self.located(e.into()),
+        }
+    }
+
     /// The error of a wait for `p`, saying where its source is.
     fn failed(&self, e: TransportError, p: &Pattern) -> Error {
         match e {
@@ -231,7 +242,7 @@ impl AsyncGroup {
             self.core.endpoint.recv(pattern, self.core.timeout).await.map_err(|e| self.failed(e, &pattern))?
         } else {
             WAITING_FOR.set(Some(pattern));
-            self.core.endpoint.post(pattern)?.await?
+            self.core.endpoint.post(pattern).map_err(|e| self.located(e.into()))?.await?
         };
         self.status(env)
     }
@@ -277,7 +288,7 @@ impl AsyncGroup {
         tag: Tag,
     ) -> Result<impl std::future::Future<Output = Result<(Bytes, Status)>> + '_> {
         let pattern = Pattern { ctx: self.core.ctx, src: SrcMatch::Rank(self.member(src)?), tag: TagMatch::Tag(tag) };
-        let pending = self.core.endpoint.post(pattern)?;
+        let pending = self.core.endpoint.post(pattern).map_err(|e| self.located(e.into()))?;
         Ok(async move {
             let env = self.await_posted(pattern, pending).await?;
             let len = env.payload.len();
@@ -308,7 +319,7 @@ impl AsyncGroup {
         into: Part,
     ) -> Result<impl std::future::Future<Output = Result<(Part, Status)>> + '_> {
         let pattern = Pattern { ctx: self.core.ctx, src: SrcMatch::Rank(self.member(src)?), tag: TagMatch::Tag(tag) };
-        let pending = self.core.endpoint.post_into(pattern, into)?;
+        let pending = self.core.endpoint.post_into(pattern, into).map_err(|e| self.located(e.into()))?;
         Ok(async move {
             let landed = self.await_posted(pattern, pending).await?;
             let len = landed.part.len();
@@ -363,7 +374,7 @@ impl AsyncGroup {
         let from = self.member(src)?;
         let ep = &self.core.endpoint;
         if self.timed {
-            return ep.get(from, id, offset, len, self.core.timeout).await.map_err(|e| self.located(e.into()));
+            return ep.get(from, id, offset, len, self.core.timeout).await.map_err(|e| self.at(e, from));
         }
         // Inside a blocking call, which bounds the whole call (and locates its errors).
         Ok(ep.transport().get(from, id, offset, len).await?)
@@ -383,7 +394,7 @@ impl AsyncGroup {
         let from = self.member(src)?;
         let ep = &self.core.endpoint;
         if self.timed {
-            return ep.get_into(from, id, offset, into, self.core.timeout).await.map_err(|e| self.located(e.into()));
+            return ep.get_into(from, id, offset, into, self.core.timeout).await.map_err(|e| self.at(e, from));
         }
         // Inside a blocking call, which bounds the whole call (and locates its errors).
         Ok(ep.transport().get_into(from, id, offset, into).await?)
@@ -753,6 +764,7 @@ mod tests {
         let e = a.send_bytes(1, 3, Bytes::from_static(b"x")).unwrap_err();
         assert!(matches!(e, Error::Peer { error: TransportError::PeerClosed(Rank(0)), .. }), "{e:?}");
         assert_eq!(e.to_string(), format!("rank 0 has closed its endpoint ({want})"));
+        assert!(std::error::Error::source(&e).is_some(), "the transport's error stays the source");
     }
 
     #[test]

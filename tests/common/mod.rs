@@ -126,6 +126,19 @@ pub fn assert_no_survivors(report: &std::path::Path) {
     assert!(left.is_empty(), "shared-memory regions of the job left in /dev/shm: {left:?}");
 }
 
+/// A running `ductile run` that is killed (SIGKILL to its pid, then reaped) if the test
+/// panics before it ended; the launcher's lifeline then ends its agents and ranks.
+pub struct Running(pub std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 pub fn wait_with_timeout(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
     let start = Instant::now();
     loop {

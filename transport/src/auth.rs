@@ -292,7 +292,8 @@ mod tests {
     }
 
     proptest::proptest! {
-        // Half the cases wait out the timeout (a silent stranger) on both sides.
+        // A silent stranger that sent less than a hello makes a case wait out the
+        // timeout on both sides.
         #![proptest_config(proptest::test_runner::Config::with_cases(64))]
         /// Any bytes a stranger sends either side of the handshake end it with an error
         /// (never a panic, never a hang past the timeout), and never authenticate.

@@ -192,12 +192,15 @@ fn find(provider: Option<&str>, host: &str) -> Result<Info, OfiError> {
 /// [`find`] within `limit`. `fi_getinfo` probes every provider libfabric was built
 /// with, and one probing absent or wedged hardware can take long or never return. So
 /// the probe runs on a thread of its own; past the limit the caller gets `None` and can
-/// fail with a clear error, and the thread, which cannot be cancelled, ends with the
-/// process.
+/// fail with a clear error. The thread cannot be cancelled: it stays inside libfabric
+/// until the process ends, which a failed bind soon makes a rank do (a process that
+/// carried on and called libfabric again might wait behind the probe).
 fn find_within(provider: Option<&str>, host: &str, limit: std::time::Duration) -> Option<Result<Info, OfiError>> {
     let (tx, rx) = std::sync::mpsc::channel();
     let (p, h) = (provider.map(str::to_owned), host.to_owned());
+    let span = tracing::Span::current();
     let probe = move || {
+        let _in = span.enter();
         let _ = tx.send(find(p.as_deref(), &h));
     };
     if std::thread::Builder::new().name("ductile-fi-probe".into()).spawn(probe).is_err() {
@@ -213,6 +216,32 @@ fn why_chosen(asked: Option<&str>, env: Option<&str>) -> String {
         (None, Some(f)) => format!("libfabric's first match under FI_PROVIDER={f}"),
         (None, None) => "libfabric's first match: none was named (--fabric-provider or FI_PROVIDER)".into(),
     }
+}
+
+/// The provider to open: [`find_within`] the connect timeout `limit`, with a message
+/// for each way it can fail, and the choice logged with why it was made.
+fn probe(provider: Option<&str>, host: &str, limit: std::time::Duration) -> Result<Info, String> {
+    let info = find_within(provider, host, limit)
+        .ok_or_else(|| {
+            format!(
+                "fi_getinfo did not return within {limit:?}: a provider may be probing absent hardware; \
+                 name one with --fabric-provider, or leave one out with FI_PROVIDER=^NAME"
+            )
+        })?
+        .map_err(|e| {
+            let what = "no such provider offers reliable datagram endpoints with tagged messages and RMA reads";
+            if e.code == sys::FI_ENODATA as i32 {
+                format!("{what} ({e})")
+            } else {
+                e.to_string()
+            }
+        })?;
+    let attrs = info.attrs();
+    // libfabric's own variable, read here only to explain its choice.
+    let env = std::env::var("FI_PROVIDER").ok();
+    let why = why_chosen(provider, env.as_deref());
+    tracing::info!("fabric: provider {} on domain {}, {why}", attrs.provider, attrs.domain);
+    Ok(info)
 }
 
 impl FabricTransport {
@@ -232,30 +261,8 @@ impl FabricTransport {
             source: std::io::Error::other(e),
         };
         sys::load().map_err(bind_err)?;
-        let limit = setup.config.get_connect_timeout();
-        let info = find_within(provider.as_deref(), &host, limit)
-            .ok_or_else(|| {
-                bind_err(format!(
-                    "fi_getinfo did not return within {limit:?}: a provider may be probing absent hardware; \
-                     name one with --fabric-provider, or leave one out with FI_PROVIDER=^NAME"
-                ))
-            })?
-            .map_err(|e| {
-                let what = "no such provider offers reliable datagram endpoints with tagged messages and RMA reads";
-                if e.code == sys::FI_ENODATA as i32 {
-                    bind_err(format!("{what} ({e})"))
-                } else {
-                    bind_err(e.to_string())
-                }
-            })?;
+        let info = probe(provider.as_deref(), &host, setup.config.get_connect_timeout()).map_err(bind_err)?;
         let attrs = info.attrs();
-        let env = std::env::var("FI_PROVIDER").ok();
-        tracing::info!(
-            "fabric: provider {} on domain {}, {}",
-            attrs.provider,
-            attrs.domain,
-            why_chosen(provider.as_deref(), env.as_deref())
-        );
         if attrs.provider == "shm" {
             // Before this process's first shm endpoint: regions named for its pid that it
             // has not mapped are a dead process's, and libfabric crashes opening an
