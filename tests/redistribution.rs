@@ -57,11 +57,27 @@ fn run_noting_launcher_fds(args: &[&str]) -> (std::process::Output, String) {
         if line.contains(" rank 0 holds ") {
             let fds = std::fs::read_dir(&fd_dir).map_or(0, Iterator::count);
             text.push_str(&format!("launcher holds {fds} fds\n"));
+            // Node 0's agent: the launcher's first child agent, there through the circuit.
+            let agent = first_agent(child.id()).unwrap_or_else(|| panic!("no agent under the launcher: {text}"));
+            let count = |what: &str| std::fs::read_dir(format!("/proc/{agent}/{what}")).map_or(0, Iterator::count);
+            text.push_str(&format!("agent holds {} fds and {} threads\n", count("fd"), count("task")));
         }
     }
     let status = child.wait().expect("wait for ductile");
     let stderr = errors.join().expect("stderr reader");
     (std::process::Output { status, stdout: text.clone().into_bytes(), stderr }, text)
+}
+
+/// The oldest `ductile agent` among the children of `launcher` (the first node's).
+fn first_agent(launcher: u32) -> Option<u32> {
+    let children = std::fs::read_to_string(format!("/proc/{launcher}/task/{launcher}/children")).ok()?;
+    children
+        .split_whitespace()
+        .filter_map(|p| p.parse::<u32>().ok())
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == b"agent"))
+        })
+        .min()
 }
 
 /// The (processes before, processes after) of every change in a report.
@@ -85,26 +101,32 @@ fn check_every_pair(method: &str, extra: &[&str]) {
 }
 
 /// Rank 0, which stays through the whole circuit, holds as many file descriptors and
-/// threads alone at its end as alone after its second change, and so does the launcher:
-/// nine grow-and-shrink cycles in between left nothing open (once, rank 0 kept a
-/// connection to every process that left, in CLOSE-WAIT, and the launcher one to every
-/// node world's agent that left).
+/// threads alone at its end as alone after its second change, and so do the launcher
+/// and node 0's agent: nine grow-and-shrink cycles in between left nothing open (once,
+/// rank 0 kept a connection to every process that left, in CLOSE-WAIT, and the launcher
+/// one to every node world's agent that left).
 fn check_nothing_left_open(text: &str) {
-    let held = |change: usize| -> (usize, usize, usize) {
+    let numbers =
+        |l: &str| -> Vec<usize> { l.split(|c: char| !c.is_ascii_digit()).filter_map(|w| w.parse().ok()).collect() };
+    let held = |change: usize| -> [usize; 5] {
         let prefix = format!("redist: change {change}: rank 0 holds ");
         let mut lines = text.lines().skip_while(|l| !l.starts_with(&prefix));
-        let rank0 = lines.next().unwrap_or_else(|| panic!("{prefix}: {text}"));
-        let n: Vec<usize> =
-            rank0[prefix.len()..].split(|c: char| !c.is_ascii_digit()).filter_map(|w| w.parse().ok()).collect();
-        let launcher = lines.next().and_then(|l| l.strip_prefix("launcher holds ")?.strip_suffix(" fds")?.parse().ok());
-        (n[0], n[1], launcher.unwrap_or_else(|| panic!("no launcher count after {rank0}: {text}")))
+        let rank0 = numbers(&lines.next().unwrap_or_else(|| panic!("{prefix}: {text}"))[prefix.len()..]);
+        let launcher = lines.next().filter(|l| l.starts_with("launcher holds ")).map(numbers);
+        let agent = lines.next().filter(|l| l.starts_with("agent holds ")).map(numbers);
+        match (launcher, agent) {
+            (Some(l), Some(a)) => [rank0[0], rank0[1], l[0], a[0], a[1]],
+            _ => panic!("no launcher and agent counts after change {change}: {text}"),
+        }
     };
     assert_eq!(CIRCUIT[1], 1);
     let (first, last) = (held(2), held(CIRCUIT.len()));
-    // A process that left may not have closed its end yet: a little slack.
+    // A process that left may not have closed its end yet: a little slack on fds.
+    let slack = [2, 0, 2, 2, 0];
     assert!(
-        last.0 <= first.0 + 2 && last.1 <= first.1 && last.2 <= first.2 + 2,
-        "(rank 0's fds, its threads, the launcher's fds) alone after change 2: {first:?}, at the end: {last:?}"
+        (0..5).all(|i| last[i] <= first[i] + slack[i]),
+        "[rank 0's fds, its threads, the launcher's fds, node 0's agent's fds, its threads] alone after change 2: \
+         {first:?}, at the end: {last:?}"
     );
 }
 
