@@ -318,3 +318,75 @@ fn sockets_of_jobs_that_are_gone_are_removed_and_live_ones_kept() {
     drop(listener);
     std::fs::remove_file(&live).unwrap();
 }
+
+/// Standard base64 of `bytes`, with and without its padding.
+fn base64(bytes: &[u8]) -> [String; 2] {
+    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut s = String::new();
+    for c in bytes.chunks(3) {
+        let n = c.iter().enumerate().fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for k in 0..=c.len() {
+            s.push(ABC[(n >> (18 - 6 * k) & 63) as usize] as char);
+        }
+    }
+    let bare = s.clone();
+    while !s.len().is_multiple_of(4) {
+        s.push('=');
+    }
+    [s, bare]
+}
+
+#[test]
+fn the_job_key_is_in_no_command_line_environment_log_or_report() {
+    // A key the test knows (the launcher takes it from DUCTILE_TEST_JOB_KEY, which
+    // nothing it starts inherits), looked for as hex, base64 and a byte list while a job
+    // grows 1 -> 3 nodes and shrinks back, with every log line on.
+    let key: Vec<u8> = (0..32u8).map(|i| i.wrapping_mul(37).wrapping_add(11)).collect();
+    let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+    let [padded, bare] = base64(&key);
+    let forms = [hex.clone(), hex.to_uppercase(), padded, bare, format!("{key:?}")];
+    let leaks = |what: &str, text: &str| {
+        let found: Vec<&String> = forms.iter().filter(|f| text.contains(f.as_str())).collect();
+        assert!(found.is_empty(), "the job key is in {what}: {found:?}");
+    };
+    let report = tmp("key.json");
+    let mark = format!("key-{}", std::process::id());
+    let jacobi = ex("jacobi");
+    let args = ["run", "--report", report.to_str().unwrap(), "--nodes", "1", "--slots", "2", "--max-nodes", "3"];
+    let program = ["--policy", "steps:3,1", "--", &jacobi, "--points", "200000", "--iters", "1000", "--every", "250"];
+    let child = ductile(&[&args[..], &program[..]].concat())
+        .env("DUCTILE_TEST_JOB_KEY", &hex)
+        .env("DUCTILE_LOG", "debug")
+        .env(common::MARK, &mark)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let launcher = u64::from(child.id());
+    let mut job = common::Running(child);
+    let (out, err) = (common::lines_of(job.0.stdout.take().unwrap()), common::lines_of(job.0.stderr.take().unwrap()));
+    let mut seen = std::collections::BTreeSet::new();
+    let start = Instant::now();
+    while job.0.try_wait().unwrap().is_none() {
+        assert!(start.elapsed() < Duration::from_secs(60), "the job did not end");
+        for pid in common::marked(&mark).into_iter().filter(|&p| p != launcher) {
+            for file in ["cmdline", "environ"] {
+                let Ok(bytes) = std::fs::read(format!("/proc/{pid}/{file}")) else { continue };
+                let text = String::from_utf8_lossy(&bytes).replace('\0', " ");
+                leaks(&format!("the {file} of process {pid}"), &text);
+                assert!(!text.contains("DUCTILE_TEST_JOB_KEY"), "process {pid} inherited the test key's variable");
+            }
+            seen.insert(pid);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(job.0.wait().unwrap().success());
+    // Three agents and six ranks at the widest; a scan may miss some that come and go.
+    assert!(seen.len() >= 4, "only {} processes of the job were seen: {seen:?}", seen.len());
+    let text: Vec<String> = out.try_iter().chain(err.try_iter()).collect();
+    let text = text.join("\n");
+    assert!(text.contains("checksum") && text.contains("for tests only"), "{text}");
+    leaks("the job's output and logs", &text);
+    leaks("the report", &std::fs::read_to_string(&report).unwrap());
+    assert_no_survivors(&report);
+}

@@ -49,6 +49,7 @@ pub fn spawn_with_channel(
     let parent = std::process::id();
     let mut cmd = Command::new(program);
     cmd.args(args).env(CONTROL_FD_ENV, CONTROL_FD.to_string()).stdin(Stdio::null()).kill_on_drop(false);
+    cmd.env_remove(crate::controller::TEST_KEY_ENV);
     // Processes launch child jobs with the launcher that started them (see
     // `ductile::Group::launch`), unless the user named another.
     if std::env::var_os(ductile::LAUNCHER_ENV).is_none() {

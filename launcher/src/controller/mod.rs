@@ -49,6 +49,22 @@ pub const FAILED_CHECKPOINT_GRACE: Duration = Duration::from_secs(3);
 pub const TIMEOUT_EXIT: i32 = 124;
 /// Longest wait at the end of a job for the answers to resize requests to be written.
 const ANSWER_FLUSH: Duration = Duration::from_secs(1);
+/// Tests only: the job key, as 64 hex digits, so that a test can look for it where it
+/// must never be (command lines, environments, logs, reports). The launcher warns when
+/// it is used, and nothing the launcher starts inherits it (see `spawn`).
+pub const TEST_KEY_ENV: &str = "DUCTILE_TEST_JOB_KEY";
+
+/// The job's key: random, or [`TEST_KEY_ENV`]'s.
+fn job_key() -> anyhow::Result<JobKey> {
+    let Some(text) = std::env::var_os(TEST_KEY_ENV) else { return Ok(JobKey::random()?) };
+    let text = text.to_string_lossy();
+    let digit = |i: usize| text.get(i..i + 2).and_then(|d| u8::from_str_radix(d, 16).ok());
+    let bytes: Option<Vec<u8>> = (text.len() == 64).then(|| (0..32).map(|k| digit(2 * k)).collect()).flatten();
+    let bytes = bytes.and_then(|b| <[u8; 32]>::try_from(b).ok());
+    let key = bytes.ok_or_else(|| anyhow::anyhow!("{TEST_KEY_ENV} must be 64 hex digits"))?;
+    tracing::warn!("the job key comes from {TEST_KEY_ENV}: for tests only");
+    Ok(JobKey::from_bytes(key))
+}
 
 /// What `ductile run` was asked to do.
 #[derive(Clone, Debug)]
@@ -254,7 +270,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     let mut signals = Signals::new()?;
     become_subreaper();
     let job = JobId::random()?;
-    let key = JobKey::random()?;
+    let key = job_key()?;
     // Ranks' waits outlast the job's own limit a little, so that when --timeout ends
     // the job, the controller's message (not a rank's timeout) says why.
     // And ranks that joined early wait for the late ones as long as they may take.
