@@ -243,6 +243,29 @@ fn a_shrink_leaves_no_process_of_the_released_nodes() {
     assert_no_survivors(&report);
 }
 
+/// `ductile status JOB` says `summary`, then lists every rank of `0..size` once, each on
+/// its node with the pid of a running process.
+fn check_status(job: &str, summary: &str, size: usize) {
+    let out = ductile(&["status", job]).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.starts_with(&format!("job {job}: ")) && text.contains(summary), "{text}");
+    let mut ranks = Vec::new();
+    for line in text.lines().skip(1) {
+        let (_, placed) = line.split_once("): ").unwrap_or_else(|| panic!("{line}"));
+        let (r, p) = placed.split_once(" (pid").unwrap_or_else(|| panic!("{line}"));
+        let numbers = |t: &str| -> Vec<u64> {
+            t.split(|c: char| !c.is_ascii_digit()).filter(|w| !w.is_empty()).map(|w| w.parse().unwrap()).collect()
+        };
+        let (r, p) = (numbers(r), numbers(p));
+        assert_eq!(r.len(), p.len(), "{line}");
+        assert!(p.iter().all(|&pid| is_alive(pid)), "{line}: a pid that is not running");
+        ranks.extend(r);
+    }
+    ranks.sort_unstable();
+    assert_eq!(ranks, (0..size as u64).collect::<Vec<_>>(), "{text}");
+}
+
 #[test]
 fn ductile_resize_drives_a_running_job_and_refuses_bad_requests() {
     let report = tmp("resize.json");
@@ -276,6 +299,7 @@ fn ductile_resize_drives_a_running_job_and_refuses_bad_requests() {
         String::from_utf8_lossy(&out.stdout).contains("1 -> 3 nodes, 2 -> 6 processes (grow; nodes 1-2 join)"),
         "{out:?}"
     );
+    check_status(&job, "6 processes on 3 nodes, epoch 1, 1 change(s) done", 6);
     let out = ask(&socket, "--procs", "3");
     assert!(out.status.success(), "{out:?}");
     assert!(

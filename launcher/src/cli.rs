@@ -29,6 +29,8 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Ask a running job to grow or shrink at its next checkpoint.
     Resize(ResizeArgs),
+    /// Show where a running job's processes are: its nodes, ranks and pids.
+    Status(StatusArgs),
     /// Internal: the node agent started by `ductile run`.
     #[command(hide = true)]
     Agent,
@@ -174,6 +176,16 @@ pub struct ResizeArgs {
     pub procs: Option<u32>,
     /// Seconds to wait for the job to carry it out.
     #[arg(long, value_name = "SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=MAX_SECS))]
+    pub wait: u64,
+}
+
+/// Arguments of `ductile status`.
+#[derive(Debug, clap::Args)]
+pub struct StatusArgs {
+    /// The job: its id (printed at start) or the path of its control socket.
+    pub job: String,
+    /// Seconds to wait for the answer.
+    #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=MAX_SECS))]
     pub wait: u64,
 }
 

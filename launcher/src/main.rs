@@ -86,6 +86,10 @@ fn main() -> ExitCode {
             let wait = std::time::Duration::from_secs(args.wait.max(1));
             exit(rt.block_on(ductile_launcher::controller::socket::request(&args.job, target, wait)))
         }
+        Command::Status(args) => {
+            let wait = std::time::Duration::from_secs(args.wait.max(1));
+            exit(rt.block_on(ductile_launcher::controller::socket::status(&args.job, wait)))
+        }
         Command::Run(args) => {
             let dry = args.dry_run;
             let spec = match (*args).into_spec() {

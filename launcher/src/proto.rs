@@ -249,6 +249,8 @@ pub enum Hello {
     },
     /// `ductile resize`.
     Resize(Target),
+    /// `ductile status`: the controller answers with a [`String`], the job's layout.
+    Status,
 }
 
 /// The controller's answers to `ductile resize`.

@@ -544,6 +544,9 @@ impl Ctl {
                 self.after_exit().await;
             }
             Event::Arrival(Arrival::Resize { target, reply }) => self.on_resize_request(target, reply).await,
+            Event::Arrival(Arrival::Status { reply }) => {
+                let _ = reply.send(self.status());
+            }
         }
     }
 
@@ -667,6 +670,49 @@ impl Ctl {
                 let _ = tokio::time::timeout(grace, child.wait()).await;
             }
         }
+    }
+
+    /// What `ductile status` prints: the job's size, its changes, and where every rank
+    /// runs now.
+    fn status(&self) -> String {
+        let ranks = &self.state.ranks;
+        let mut s = format!(
+            "job {}: {}, {} processes on {} nodes, epoch {}, {} change(s) done",
+            self.job,
+            self.spec.program.display(),
+            ranks.len(),
+            self.state.node_count(),
+            self.state.epoch,
+            self.done.len()
+        );
+        if self.flight.is_some() {
+            s.push_str("; a change is under way");
+        }
+        if self.queued.is_some() {
+            s.push_str("; a resize is queued");
+        }
+        for a in self.agents.iter().filter(|a| a.released_epoch.is_none() && !a.done && !a.abandoned) {
+            let mut placed: Vec<(usize, u32)> = a
+                .started
+                .iter()
+                .filter(|r| a.live.contains(&r.id))
+                .filter_map(|r| Some((ranks.iter().position(|x| *x == r.id)?, r.pid)))
+                .collect();
+            placed.sort_unstable();
+            let joining = a.started.iter().filter(|r| a.live.contains(&r.id)).count() - placed.len();
+            let list = |f: &dyn Fn(&(usize, u32)) -> String| placed.iter().map(f).collect::<Vec<_>>().join(", ");
+            let plural = if placed.len() == 1 { "" } else { "s" };
+            s.push_str(&format!("\n  {} (agent pid {}): ", a.node, a.pid));
+            if !placed.is_empty() {
+                let (ranks, pids) = (list(&|p| p.0.to_string()), list(&|p| p.1.to_string()));
+                s.push_str(&format!("rank{plural} {ranks} (pid{plural} {pids})"));
+            }
+            if joining > 0 {
+                s.push_str(&format!("{}{joining} joining", if placed.is_empty() { "" } else { ", " }));
+            }
+        }
+        s.push('\n');
+        s
     }
 
     fn report(&self, code: i32, started: Instant) -> Report {

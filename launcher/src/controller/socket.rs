@@ -43,6 +43,11 @@ pub enum Arrival {
         /// Where the answers go.
         reply: mpsc::UnboundedSender<ResizeReply>,
     },
+    /// `ductile status`: the job's layout goes into `reply`.
+    Status {
+        /// Where the answer goes.
+        reply: tokio::sync::oneshot::Sender<String>,
+    },
 }
 
 /// The directory of this user's job sockets.
@@ -237,12 +242,20 @@ async fn greet(s: UnixStream, tx: mpsc::UnboundedSender<Arrival>, answering: Ans
                 }
             }
         }
+        Hello::Status => {
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            if tx.send(Arrival::Status { reply }).is_ok() {
+                if let Ok(text) = answer.await {
+                    let _ = nonblocking::write_msg(&mut wtx, &text).await;
+                }
+            }
+        }
     }
 }
 
-/// `ductile resize`: sends the request to the job's socket and prints the answers.
-/// `job` is a socket path or a job id. Returns the exit code.
-pub async fn request(job: &str, target: Target, wait: Duration) -> i32 {
+/// The control socket of `job` (a socket path or a job id), connected; else the exit
+/// code, the reason printed.
+async fn reach(job: &str) -> Result<UnixStream, i32> {
     let path = if job.contains('/') {
         PathBuf::from(job)
     } else {
@@ -250,16 +263,50 @@ pub async fn request(job: &str, target: Target, wait: Duration) -> i32 {
             Ok(id) => socket_path(id),
             Err(_) => {
                 crate::say_errln!("ductile: {job:?} is neither a job id nor a socket path");
-                return 2;
+                return Err(2);
             }
         }
     };
-    let s = match UnixStream::connect(&path).await {
+    UnixStream::connect(&path).await.map_err(|e| {
+        crate::say_errln!("ductile: cannot reach job {job} at {}: {e} (is it running?)", path.display());
+        1
+    })
+}
+
+/// `ductile status`: prints the layout of the running job `job` (a socket path or a job
+/// id). Returns the exit code.
+pub async fn status(job: &str, wait: Duration) -> i32 {
+    let s = match reach(job).await {
         Ok(s) => s,
-        Err(e) => {
-            crate::say_errln!("ductile: cannot reach job {job} at {}: {e} (is it running?)", path.display());
-            return 1;
+        Err(code) => return code,
+    };
+    let (mut rx, mut tx) = s.into_split();
+    if let Err(e) = nonblocking::write_msg(&mut tx, &Hello::Status).await {
+        crate::say_errln!("ductile: cannot ask job {job}: {e}");
+        return 1;
+    }
+    match tokio::time::timeout(wait, nonblocking::read_msg::<String>(&mut rx)).await {
+        Ok(Ok(text)) => {
+            crate::say!("{text}");
+            0
         }
+        Ok(Err(e)) => {
+            crate::say_errln!("ductile: job {job} closed the connection without an answer ({e})");
+            1
+        }
+        Err(_) => {
+            crate::say_errln!("ductile: no answer from job {job} within {}s", wait.as_secs());
+            1
+        }
+    }
+}
+
+/// `ductile resize`: sends the request to the job's socket and prints the answers.
+/// `job` is a socket path or a job id. Returns the exit code.
+pub async fn request(job: &str, target: Target, wait: Duration) -> i32 {
+    let s = match reach(job).await {
+        Ok(s) => s,
+        Err(code) => return code,
     };
     let (mut rx, mut tx) = s.into_split();
     if let Err(e) = nonblocking::write_msg(&mut tx, &Hello::Resize(target)).await {
