@@ -7,8 +7,10 @@
 //! before it even starts joining: the first process creates FILE, later ones exit (with
 //! CODE `hang`, they sleep for 10 minutes instead);
 //! `fault join-slow FILE MS` (one initial rank) makes every new process take MS
-//! milliseconds to start before it joins, and the job ends after the growth. The
-//! launcher must
+//! milliseconds to start before it joins, and the job ends after the growth;
+//! `fault signals` makes every rank say it is ready and wait (30 s at most each) for a
+//! SIGUSR1, then a SIGUSR2, which `ductile run` passes on to the ranks, then end well.
+//! The launcher must
 //! end the job either way (first failing rank's code, or Ctrl-C / `--timeout`), leaving
 //! no process behind.
 //!
@@ -59,8 +61,24 @@ fn main() -> anyhow::Result<()> {
             println!("rank {r} waiting");
             world.recv::<u8>(None, Some(1))?;
         }
+        Some("signals") => {
+            use tokio::signal::unix::{signal, SignalKind};
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(async {
+                let mut usr1 = signal(SignalKind::user_defined1())?;
+                let mut usr2 = signal(SignalKind::user_defined2())?;
+                println!("rank {r} ready");
+                let limit = std::time::Duration::from_secs(30);
+                for (name, s) in [("SIGUSR1", &mut usr1), ("SIGUSR2", &mut usr2)] {
+                    tokio::time::timeout(limit, s.recv()).await.with_context(|| format!("rank {r}: no {name}"))?;
+                    println!("rank {r} got {name}");
+                }
+                anyhow::Ok(())
+            })?;
+            world.barrier()?;
+        }
         _ => bail!(
-            "usage: fault exit RANK CODE | fault hang | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS"
+            "usage: fault exit RANK CODE | fault hang | fault signals | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS"
         ),
     }
     session.finalize()?;

@@ -319,6 +319,36 @@ fn sockets_of_jobs_that_are_gone_are_removed_and_live_ones_kept() {
     std::fs::remove_file(&live).unwrap();
 }
 
+#[test]
+fn sigusr1_and_sigusr2_reach_every_rank_and_the_job_goes_on() {
+    // As mpirun and srun do, so that a batch system's warning before the time limit
+    // reaches the application instead of ending the launcher. Every rank waits for
+    // SIGUSR1, then SIGUSR2, then ends well.
+    let report = tmp("usr1.json");
+    let child = ductile(&["run", "-n", "3", "--nodes", "2", "--report", report.to_str().unwrap()])
+        .args(["--", &ex("fault"), "signals"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let launcher = nix::unistd::Pid::from_raw(child.id() as i32);
+    let mut job = common::Running(child);
+    let out = common::lines_of(job.0.stdout.take().unwrap());
+    let err = common::lines_of(job.0.stderr.take().unwrap());
+    let next = |what: &str| {
+        let line = out.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|_| panic!("no line: {what}"));
+        assert!(line.contains(what), "{line}: expected {what}");
+    };
+    (0..3).for_each(|_| next("ready"));
+    nix::sys::signal::kill(launcher, Signal::SIGUSR1).unwrap();
+    (0..3).for_each(|_| next("got SIGUSR1"));
+    nix::sys::signal::kill(launcher, Signal::SIGUSR2).unwrap();
+    (0..3).for_each(|_| next("got SIGUSR2"));
+    let status = wait_with_timeout(&mut job.0, Duration::from_secs(30));
+    assert!(status.success(), "{:?}", err.try_iter().collect::<Vec<_>>());
+    assert_no_survivors(&report);
+}
+
 /// Standard base64 of `bytes`, with and without its padding.
 fn base64(bytes: &[u8]) -> [String; 2] {
     const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";

@@ -557,6 +557,12 @@ impl Supervisor {
                 }
             }
             ToAgent::Abort => end_ranks(world).await,
+            ToAgent::Signal(sig) if crate::controller::FORWARDED.contains(&sig) => {
+                for p in world.procs.values() {
+                    p.signal(sig);
+                }
+            }
+            ToAgent::Signal(sig) => tracing::warn!("{}: signal {sig} is not forwarded to ranks", self.h.node),
             ToAgent::Handoff(_) => tracing::warn!("{}: second handoff ignored", self.h.node),
         }
     }

@@ -134,6 +134,9 @@ pub enum ToAgent {
     End(Vec<Rank>),
     /// End the node world now.
     Abort,
+    /// Deliver this signal (SIGUSR1 or SIGUSR2, forwarded from `ductile run`) to every
+    /// rank of the node.
+    Signal(i32),
 }
 
 /// How a process ended.

@@ -221,7 +221,14 @@ struct Signals {
     int: tokio::signal::unix::Signal,
     term: tokio::signal::unix::Signal,
     hup: tokio::signal::unix::Signal,
+    usr1: tokio::signal::unix::Signal,
+    usr2: tokio::signal::unix::Signal,
 }
+
+/// Signals `ductile run` passes on to every rank (as `mpirun` and `srun` do), so that a
+/// batch system's warning before the time limit reaches the application instead of
+/// ending the launcher.
+pub const FORWARDED: [i32; 2] = [libc::SIGUSR1, libc::SIGUSR2];
 
 impl Signals {
     fn new() -> std::io::Result<Self> {
@@ -229,6 +236,8 @@ impl Signals {
             int: signal(SignalKind::interrupt())?,
             term: signal(SignalKind::terminate())?,
             hup: signal(SignalKind::hangup())?,
+            usr1: signal(SignalKind::user_defined1())?,
+            usr2: signal(SignalKind::user_defined2())?,
         })
     }
 }
@@ -398,6 +407,18 @@ impl Ctl {
         Ok(())
     }
 
+    /// Passes signal `sig` on to every rank, through the agents of the node worlds that
+    /// are in the job.
+    async fn forward(&mut self, sig: i32) {
+        tracing::info!("forwarding signal {sig} to every rank");
+        for a in 0..self.agents.len() {
+            let ag = &self.agents[a];
+            if ag.tx.is_some() && !ag.done && ag.released_epoch.is_none() && !ag.abandoned {
+                self.send(a, &ToAgent::Signal(sig)).await;
+            }
+        }
+    }
+
     /// Sends to agent `a`. Failing to reach an agent that is not connected ends the job;
     /// a failed write to a connected one is left to what its connection says last.
     async fn send(&mut self, a: usize, msg: &ToAgent) {
@@ -471,6 +492,8 @@ impl Ctl {
                 _ = sig.int.recv() => self.ending = Some(Ending::Signal(libc::SIGINT)),
                 _ = sig.term.recv() => self.ending = Some(Ending::Signal(libc::SIGTERM)),
                 _ = sig.hup.recv() => self.ending = Some(Ending::Signal(libc::SIGHUP)),
+                _ = sig.usr1.recv() => self.forward(libc::SIGUSR1).await,
+                _ = sig.usr2.recv() => self.forward(libc::SIGUSR2).await,
                 () = sleep => {
                     let now = tokio::time::Instant::now();
                     if let (Some(d), Some(t)) = (job_deadline, self.spec.timeout) {
