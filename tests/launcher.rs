@@ -342,6 +342,19 @@ fn sigusr1_and_sigusr2_reach_every_rank_and_the_job_goes_on() {
     (0..3).for_each(|_| next("ready"));
     nix::sys::signal::kill(launcher, Signal::SIGUSR1).unwrap();
     (0..3).for_each(|_| next("got SIGUSR1"));
+    // A batch system may signal every process of the job: the agents outlive it.
+    let agents: Vec<u64> = common::descendants(u64::from(launcher.as_raw() as u32))
+        .into_iter()
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == b"agent"))
+        })
+        .collect();
+    assert_eq!(agents.len(), 2, "{agents:?}");
+    for a in &agents {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(*a as i32), Signal::SIGUSR1).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(agents.iter().all(|&a| common::is_alive(a)), "an agent died of SIGUSR1");
     nix::sys::signal::kill(launcher, Signal::SIGUSR2).unwrap();
     (0..3).for_each(|_| next("got SIGUSR2"));
     let status = wait_with_timeout(&mut job.0, Duration::from_secs(30));

@@ -124,6 +124,7 @@ where
 pub async fn run() -> anyhow::Result<()> {
     let fd: i32 =
         std::env::var(CONTROL_FD_ENV).context("the agent is started by `ductile run`, not by hand")?.parse()?;
+    outlive_user_signals()?;
     let std_stream = bootstrap::take_control(fd).map_err(anyhow::Error::msg)?;
     std_stream.set_nonblocking(true)?;
     let (mut prx, mut ptx) = UnixStream::from_std(std_stream)?.into_split();
@@ -204,6 +205,20 @@ pub async fn run() -> anyhow::Result<()> {
 /// it started to report, as [`Supervisor`] does: the agents it started check that their
 /// parent made their control channel, so it must not be gone before they took over.
 /// The growth then fails, which ends the job and with it those agents.
+/// A batch system may signal every process of a job with SIGUSR1 or SIGUSR2 (a warning
+/// before its time limit), whose default action would end the agent and so its node
+/// world. The agent catches them and does nothing: its ranks get their own copy, or the
+/// one `ductile run` forwards. A handler, unlike an ignored disposition, is not passed
+/// on to the ranks the agent starts.
+fn outlive_user_signals() -> std::io::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    for kind in [SignalKind::user_defined1(), SignalKind::user_defined2()] {
+        let mut s = signal(kind)?;
+        tokio::spawn(async move { while s.recv().await.is_some() {} });
+    }
+    Ok(())
+}
+
 async fn settle(h: &AgentHandoff, growing: usize, grown_rx: &mut mpsc::UnboundedReceiver<Grown>) {
     if growing > 0 {
         let _ = tokio::time::timeout(Duration::from_millis(h.join_timeout_ms.max(1)), grown_rx.recv()).await;
