@@ -21,7 +21,7 @@ use crate::proto::AGENT_VERSION;
 use crate::proto::{
     Adopt, AgentHandoff, Exit, FromAgent, Hello, Joining, NodeStarted, RankStarted, SpawnOrder, ToAgent,
 };
-use crate::spawn::{signal_pid, spawn_with_channel, Output};
+use crate::spawn::{signal_pid, spawn_with_channel, Input, Output};
 use anyhow::{bail, Context as _};
 use ductile::bootstrap::{self, nonblocking, FromRank, RankHandoff, ToRank, CONTROL_FD_ENV, HANDOFF_VERSION};
 use ductile_transport::Rank;
@@ -260,7 +260,10 @@ async fn start_rank(
     exit_tx: &mpsc::UnboundedSender<(Rank, Exit)>,
 ) -> anyhow::Result<()> {
     let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
-    let spawned = spawn_with_channel(h.program.as_ref(), &h.args, &theirs, false, Output::Piped, true);
+    // The job's rank 0 at start reads what `ductile run` was given on stdin (see
+    // `controller::stdin_for`); every other rank reads nothing.
+    let input = if id == Rank(0) && h.joining.is_none() { Input::Inherit } else { Input::Null };
+    let spawned = spawn_with_channel(h.program.as_ref(), &h.args, &theirs, false, (input, Output::Piped), true);
     let mut child = match spawned {
         Ok(c) => c,
         Err(e) => bail!("cannot start {} for {id}: {e}", h.program),
@@ -675,8 +678,9 @@ async fn start_child(h: &AgentHandoff, o: SpawnOrder) -> Result<(ductile_transpo
     let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| fail(e.to_string()))?;
     // No parent-death signal: this agent may be released before the one it starts. The
     // new agent's lifeline is its connection to the controller.
-    let mut child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, Output::Inherit, false)
-        .map_err(|e| fail(format!("cannot start its agent: {e}")))?;
+    let mut child =
+        spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, (Input::Null, Output::Inherit), false)
+            .map_err(|e| fail(format!("cannot start its agent: {e}")))?;
     drop(theirs);
     tokio::spawn(async move {
         let _ = child.wait().await;

@@ -23,6 +23,15 @@ pub enum Output {
     Piped,
 }
 
+/// What a child reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Input {
+    /// Nothing (`/dev/null`).
+    Null,
+    /// The parent's stdin.
+    Inherit,
+}
+
 /// Switches read by the PSM libraries that Debian's libfabric links (`libinfinipath`,
 /// `libpsm2`): unless set, their constructors take over SIGSEGV, SIGBUS, SIGILL,
 /// SIGABRT, SIGINT and SIGTERM in every process that loads libfabric, print a backtrace
@@ -32,8 +41,9 @@ pub enum Output {
 /// kept.
 const PSM_NO_BACKTRACE: [&str; 2] = ["IPATH_NO_BACKTRACE", "HFI_NO_BACKTRACE"];
 
-/// Starts `program args` with `channel` as its control channel, in a process group of
-/// its own if `new_group`, with the parent-death signal if `parent_death`.
+/// Starts `program args` with `channel` as its control channel, reading `input` and
+/// writing to `output`, in a process group of its own if `new_group`, with the
+/// parent-death signal if `parent_death`.
 ///
 /// # Errors
 /// The program cannot be started.
@@ -42,13 +52,14 @@ pub fn spawn_with_channel(
     args: &[impl AsRef<OsStr>],
     channel: &UnixStream,
     new_group: bool,
-    output: Output,
+    (input, output): (Input, Output),
     parent_death: bool,
 ) -> std::io::Result<Child> {
     let fd = channel.as_raw_fd();
     let parent = std::process::id();
     let mut cmd = Command::new(program);
-    cmd.args(args).env(CONTROL_FD_ENV, CONTROL_FD.to_string()).stdin(Stdio::null()).kill_on_drop(false);
+    cmd.args(args).env(CONTROL_FD_ENV, CONTROL_FD.to_string()).kill_on_drop(false);
+    cmd.stdin(if input == Input::Inherit { Stdio::inherit() } else { Stdio::null() });
     cmd.env_remove(crate::controller::TEST_KEY_ENV);
     // Processes launch child jobs with the launcher that started them (see
     // `ductile::Group::launch`), unless the user named another.

@@ -12,7 +12,7 @@ use crate::plan::spawn::{Method, Strategy};
 use crate::policy::{self, Bounds, PolicySpec, ResourceManager};
 use crate::proto::{AgentHandoff, Exit, FromAgent, RankStarted, ToAgent, Token, AGENT_VERSION};
 use crate::report::{self, NodeReport, Report};
-use crate::spawn::{signal_group, spawn_with_channel, Output};
+use crate::spawn::{signal_group, spawn_with_channel, Input, Output};
 use ductile::bootstrap::nonblocking;
 use ductile_transport::{EndpointAddr, JobId, JobKey, NodeId, Rank};
 use reconfig::{Deferred, InFlight, Queued};
@@ -242,6 +242,21 @@ impl Signals {
     }
 }
 
+/// What node `node`'s agent reads: `ductile run`'s stdin for node 0, which passes it on
+/// to rank 0, as `mpirun` gives rank 0 its stdin; nothing for the others. A terminal is
+/// not passed on: rank 0 runs in its node world's process group, which is not the
+/// terminal's foreground group, so reading it would stop the rank (SIGTTIN). Nor is it
+/// when the job adopts a running program as rank 0, which has a stdin of its own.
+fn stdin_for(node: NodeId, adopting: bool) -> Input {
+    // SAFETY: isatty only inspects file descriptor 0.
+    let terminal = unsafe { libc::isatty(0) } == 1;
+    if node == NodeId(0) && !adopting && !terminal {
+        Input::Inherit
+    } else {
+        Input::Null
+    }
+}
+
 /// Makes this process the reaper of orphaned descendants: agents started by other
 /// agents outlive their spawner when it is released, and must still be reaped here.
 fn become_subreaper() {
@@ -377,7 +392,8 @@ impl Ctl {
         let exe = std::env::current_exe()?;
         for plan in self.spec.layout.nodes.clone() {
             let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
-            let child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, Output::Inherit, true)?;
+            let input = stdin_for(plan.node, self.spec.adopt.is_some());
+            let child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, (input, Output::Inherit), true)?;
             drop(theirs);
             ours.set_nonblocking(true)?;
             let (rx, mut tx) = UnixStream::from_std(ours)?.into_split();
