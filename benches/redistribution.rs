@@ -501,6 +501,32 @@ fn summary(pair: (u32, u32), cases: &[Case], bytes: u64) -> String {
     )
 }
 
+/// Writes `doc` to `target/bench-redistribution.json` and `bars` beside it.
+fn write_results(doc: &serde_json::Value, bars: &Bars<'_>) {
+    let out = profile_dir().parent().map(|t| t.join("bench-redistribution.json")).expect("target directory");
+    match std::fs::write(&out, serde_json::to_string_pretty(doc).expect("json") + "\n") {
+        Ok(()) => println!("results: {}", out.display()),
+        Err(e) => eprintln!("cannot write {}: {e}", out.display()),
+    }
+    plot::write_beside(&out, bars);
+}
+
+/// Every case's median GB/s as bars, one group per pair.
+fn bars_of<'a>(title: &'a str, all: &[((u32, u32), Vec<Case>)], bytes: u64) -> Bars<'a> {
+    let cases = all.first().map(|(_, cases)| cases.as_slice()).unwrap_or_default();
+    let rate_of = |cs: &[Case], label: &str| cs.iter().find(|c| c.label == label).and_then(|c| rate(&c.runs, bytes));
+    Bars {
+        title,
+        y: "GB/s (10^9 B/s)",
+        groups: all.iter().map(|((ns, nt), _)| format!("{ns}→{nt}")).collect(),
+        series: cases
+            .iter()
+            .map(|c| (c.short.clone(), all.iter().map(|(_, cs)| rate_of(cs, &c.label)).collect()))
+            .collect(),
+        log: false,
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("--rank") {
@@ -592,25 +618,8 @@ fn main() {
             "cases": cases.iter().map(|c| (c.label.clone(), to_json(&c.runs, bytes))).collect::<serde_json::Map<_, _>>(),
         })).collect::<Vec<_>>(),
     });
-    let out = profile_dir().parent().map(|t| t.join("bench-redistribution.json")).expect("target directory");
-    match std::fs::write(&out, serde_json::to_string_pretty(&doc).expect("json") + "\n") {
-        Ok(()) => println!("results: {}", out.display()),
-        Err(e) => eprintln!("cannot write {}: {e}", out.display()),
-    }
     let title = format!("redistribution of {mib} MiB of f64, NS → NT (median of {reps} jobs)");
-    let cases = all.first().map(|(_, cases)| cases.as_slice()).unwrap_or_default();
-    let rate_of = |cs: &[Case], label: &str| cs.iter().find(|c| c.label == label).and_then(|c| rate(&c.runs, bytes));
-    let bars = Bars {
-        title: &title,
-        y: "GB/s (10^9 B/s)",
-        groups: all.iter().map(|((ns, nt), _)| format!("{ns}→{nt}")).collect(),
-        series: cases
-            .iter()
-            .map(|c| (c.short.clone(), all.iter().map(|(_, cs)| rate_of(cs, &c.label)).collect()))
-            .collect(),
-        log: false,
-    };
-    plot::write_beside(&out, &bars);
+    write_results(&doc, &bars_of(&title, &all, bytes));
     if failed > 0 {
         eprintln!("{failed} case(s) FAILED (see above); their figures are missing, not measured");
         std::process::exit(1);

@@ -324,18 +324,18 @@ fn rank_0_reads_what_ductile_run_is_given_on_stdin_and_the_others_nothing() {
     // As `mpirun` does. 300 000 bytes: more than a pipe holds, so rank 0 must read
     // while the test still writes.
     let input: String = (0..30_000).map(|i| format!("{:09}\n", i)).collect();
-    let mut child = ductile(&["run", "-n", "3", "--nodes", "2", "--", &ex("hello"), "--stdin"])
+    let mut child = ductile(&["run", "-n", "3", "--nodes", "2", "--timeout", "60", "--", &ex("hello"), "--stdin"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let mut stdin = child.stdin.take().unwrap();
     let text = input.clone();
     let writer = std::thread::spawn(move || stdin.write_all(text.as_bytes()));
     let out = child.wait_with_output().unwrap();
-    writer.join().unwrap().unwrap();
-    assert!(out.status.success(), "{out:?}");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    writer.join().unwrap().expect("rank 0 read all of stdin");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains(&format!("rank 0 read {} bytes: \"000000000\\n", input.len())), "{text}");
     assert!(text.contains("rank 1 read 0 bytes") && text.contains("rank 2 read 0 bytes"), "{text}");

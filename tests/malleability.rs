@@ -270,13 +270,16 @@ fn check_status(job: &str, summary: &str, size: usize) {
 fn ductile_resize_drives_a_running_job_and_refuses_bad_requests() {
     let report = tmp("resize.json");
     let opts = ["run", "-n", "2", "--slots", "2", "--max-nodes", "3", "--timeout", "120"];
-    let mut child = ductile(&opts)
+    let child = ductile(&opts)
         .args(["--report", report.to_str().unwrap(), "--", &ex("jacobi")])
         .args(["--points", "20000", "--iters", "20", "--every", "5", "--until-changes", "2"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Ended if the test panics before the job does.
+    let mut job = common::Running(child);
+    let child = &mut job.0;
     let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
     let first = err.next().unwrap().unwrap();
     let socket = first.split("control socket ").nth(1).unwrap_or_else(|| panic!("{first}")).to_string();
@@ -299,7 +302,7 @@ fn ductile_resize_drives_a_running_job_and_refuses_bad_requests() {
         String::from_utf8_lossy(&out.stdout).contains("1 -> 3 nodes, 2 -> 6 processes (grow; nodes 1-2 join)"),
         "{out:?}"
     );
-    check_status(&job, "6 processes on 3 nodes, epoch 1, 1 change(s) done", 6);
+    check_status(&job, "6 processes on 3 nodes, epoch 1, 1 change done", 6);
     let out = ask(&socket, "--procs", "3");
     assert!(out.status.success(), "{out:?}");
     assert!(
@@ -307,7 +310,7 @@ fn ductile_resize_drives_a_running_job_and_refuses_bad_requests() {
         "{out:?}"
     );
 
-    let status = wait_with_timeout(&mut child, Duration::from_secs(60));
+    let status = wait_with_timeout(child, Duration::from_secs(60));
     let rest: Vec<String> = err.map(|l| l.unwrap()).collect();
     assert!(status.success(), "{rest:?}");
     let v = read_report(&report);

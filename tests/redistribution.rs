@@ -37,11 +37,14 @@ fn redist_job_with(method: &str, job_extra: &[&str], extra: &[&str], name: &str)
 /// what the launcher held then: "launcher holds N fds".
 fn run_noting_launcher_fds(args: &[&str]) -> (std::process::Output, String) {
     use std::io::BufRead;
-    let mut child = ductile(args)
+    let child = ductile(args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("start ductile");
+    // Ended if this test panics before the job does.
+    let mut job = common::Running(child);
+    let child = &mut job.0;
     let fd_dir = format!("/proc/{}/fd", child.id());
     let mut stderr = child.stderr.take().expect("stderr");
     let errors = std::thread::spawn(move || {
@@ -50,6 +53,7 @@ fn run_noting_launcher_fds(args: &[&str]) -> (std::process::Output, String) {
         v
     });
     let mut text = String::new();
+    let mut agent = None;
     for line in std::io::BufReader::new(child.stdout.take().expect("stdout")).lines() {
         let line = line.expect("ductile's output");
         text.push_str(&line);
@@ -57,8 +61,11 @@ fn run_noting_launcher_fds(args: &[&str]) -> (std::process::Output, String) {
         if line.contains(" rank 0 holds ") {
             let fds = std::fs::read_dir(&fd_dir).map_or(0, Iterator::count);
             text.push_str(&format!("launcher holds {fds} fds\n"));
-            // Node 0's agent: the launcher's first child agent, there through the circuit.
-            let agent = first_agent(child.id()).unwrap_or_else(|| panic!("no agent under the launcher: {text}"));
+            // Node 0's agent, there through the circuit: the launcher's first child
+            // agent, looked up once, early (released agents become the launcher's too).
+            let agent = *agent.get_or_insert_with(|| {
+                first_agent(child.id()).unwrap_or_else(|| panic!("no agent under the launcher: {text}"))
+            });
             let count = |what: &str| std::fs::read_dir(format!("/proc/{agent}/{what}")).map_or(0, Iterator::count);
             text.push_str(&format!("agent holds {} fds and {} threads\n", count("fd"), count("task")));
         }

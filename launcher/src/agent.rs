@@ -201,10 +201,6 @@ pub async fn run() -> anyhow::Result<()> {
     sup.supervise(&mut world, up, grown_rx).await
 }
 
-/// A joining node world that cannot go on waits (at most the join timeout) for the growth
-/// it started to report, as [`Supervisor`] does: the agents it started check that their
-/// parent made their control channel, so it must not be gone before they took over.
-/// The growth then fails, which ends the job and with it those agents.
 /// A batch system may signal every process of a job with SIGUSR1 or SIGUSR2 (a warning
 /// before its time limit), whose default action would end the agent and so its node
 /// world. The agent catches them and does nothing: its ranks get their own copy, or the
@@ -219,6 +215,10 @@ fn outlive_user_signals() -> std::io::Result<()> {
     Ok(())
 }
 
+/// A joining node world that cannot go on waits (at most the join timeout) for the growth
+/// it started to report, as [`Supervisor`] does: the agents it started check that their
+/// parent made their control channel, so it must not be gone before they took over.
+/// The growth then fails, which ends the job and with it those agents.
 async fn settle(h: &AgentHandoff, growing: usize, grown_rx: &mut mpsc::UnboundedReceiver<Grown>) {
     if growing > 0 {
         let _ = tokio::time::timeout(Duration::from_millis(h.join_timeout_ms.max(1)), grown_rx.recv()).await;

@@ -38,7 +38,7 @@ fn command_name() -> String {
     // a value); not valid UTF-8 is no subcommand.
     let sub = std::env::args_os().skip(1).find(|a| !a.to_string_lossy().starts_with('-'));
     match sub.as_ref().and_then(|s| s.to_str()) {
-        Some(sub @ ("run" | "resize")) => format!("ductile {sub}"),
+        Some(sub @ ("run" | "resize" | "status")) => format!("ductile {sub}"),
         _ => "ductile".into(),
     }
 }

@@ -50,18 +50,26 @@ pub const TIMEOUT_EXIT: i32 = 124;
 /// Longest wait at the end of a job for the answers to resize requests to be written.
 const ANSWER_FLUSH: Duration = Duration::from_secs(1);
 /// Tests only: the job key, as 64 hex digits, so that a test can look for it where it
-/// must never be (command lines, environments, logs, reports). The launcher warns when
-/// it is used, and nothing the launcher starts inherits it (see `spawn`).
+/// must never be (command lines, environments, logs, reports). Only debug builds (which
+/// the tests run) honour it, with a warning; nothing the launcher starts inherits it
+/// (see `spawn`).
 pub const TEST_KEY_ENV: &str = "DUCTILE_TEST_JOB_KEY";
 
-/// The job's key: random, or [`TEST_KEY_ENV`]'s.
+/// The job's key: random, or in a debug build [`TEST_KEY_ENV`]'s.
 fn job_key() -> anyhow::Result<JobKey> {
     let Some(text) = std::env::var_os(TEST_KEY_ENV) else { return Ok(JobKey::random()?) };
+    if !cfg!(debug_assertions) {
+        tracing::warn!("{TEST_KEY_ENV} is ignored: only debug builds, which the tests run, honour it");
+        return Ok(JobKey::random()?);
+    }
     let text = text.to_string_lossy();
-    let digit = |i: usize| text.get(i..i + 2).and_then(|d| u8::from_str_radix(d, 16).ok());
-    let bytes: Option<Vec<u8>> = (text.len() == 64).then(|| (0..32).map(|k| digit(2 * k)).collect()).flatten();
-    let bytes = bytes.and_then(|b| <[u8; 32]>::try_from(b).ok());
-    let key = bytes.ok_or_else(|| anyhow::anyhow!("{TEST_KEY_ENV} must be 64 hex digits"))?;
+    let hex = text.len() == 64 && text.bytes().all(|b| b.is_ascii_hexdigit());
+    let mut key = [0u8; 32];
+    for (k, b) in key.iter_mut().enumerate().filter(|_| hex) {
+        // Two ASCII hex digits, checked above: always a byte.
+        *b = u8::from_str_radix(&text[2 * k..2 * k + 2], 16).unwrap_or_default();
+    }
+    anyhow::ensure!(hex, "{TEST_KEY_ENV} must be 64 hex digits");
     tracing::warn!("the job key comes from {TEST_KEY_ENV}: for tests only");
     Ok(JobKey::from_bytes(key))
 }
@@ -424,12 +432,14 @@ impl Ctl {
     }
 
     /// Passes signal `sig` on to every rank, through the agents of the node worlds that
-    /// are in the job.
+    /// are in the job. Processes a growth is still starting do not get it: they are not
+    /// in the job yet, and could not have set a handler for it.
     async fn forward(&mut self, sig: i32) {
         tracing::info!("forwarding signal {sig} to every rank");
         for a in 0..self.agents.len() {
             let ag = &self.agents[a];
-            if ag.tx.is_some() && !ag.done && ag.released_epoch.is_none() && !ag.abandoned {
+            let member = !ag.done && ag.released_epoch.is_none() && !ag.abandoned && !self.in_growing_world(a);
+            if ag.tx.is_some() && member {
                 self.send(a, &ToAgent::Signal(sig)).await;
             }
         }
@@ -715,14 +725,15 @@ impl Ctl {
     /// runs now.
     fn status(&self) -> String {
         let ranks = &self.state.ranks;
+        let count = |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
         let mut s = format!(
-            "job {}: {}, {} processes on {} nodes, epoch {}, {} change(s) done",
+            "job {}: {}, {} on {}, epoch {}, {} done",
             self.job,
             self.spec.program.display(),
-            ranks.len(),
-            self.state.node_count(),
+            count(ranks.len(), "process", "processes"),
+            count(self.state.node_count() as usize, "node", "nodes"),
             self.state.epoch,
-            self.done.len()
+            count(self.done.len(), "change", "changes")
         );
         if self.flight.is_some() {
             s.push_str("; a change is under way");
@@ -738,17 +749,26 @@ impl Ctl {
                 .filter_map(|r| Some((ranks.iter().position(|x| *x == r.id)?, r.pid)))
                 .collect();
             placed.sort_unstable();
-            let joining = a.started.iter().filter(|r| a.live.contains(&r.id)).count() - placed.len();
+            // Live processes without a rank: leaving in a shrink, or joining in a growth.
+            let unranked = a.started.iter().filter(|r| a.live.contains(&r.id) && !ranks.contains(&r.id));
+            let leaving = unranked.clone().filter(|r| self.flight.as_ref().is_some_and(|f| f.is_leaving(r.id))).count();
+            let joining = unranked.count() - leaving;
             let list = |f: &dyn Fn(&(usize, u32)) -> String| placed.iter().map(f).collect::<Vec<_>>().join(", ");
             let plural = if placed.len() == 1 { "" } else { "s" };
-            s.push_str(&format!("\n  {} (agent pid {}): ", a.node, a.pid));
+            let mut parts = Vec::new();
             if !placed.is_empty() {
                 let (ranks, pids) = (list(&|p| p.0.to_string()), list(&|p| p.1.to_string()));
-                s.push_str(&format!("rank{plural} {ranks} (pid{plural} {pids})"));
+                parts.push(format!("rank{plural} {ranks} (pid{plural} {pids})"));
             }
-            if joining > 0 {
-                s.push_str(&format!("{}{joining} joining", if placed.is_empty() { "" } else { ", " }));
+            for (n, what) in [(joining, "joining"), (leaving, "leaving")] {
+                if n > 0 {
+                    parts.push(format!("{n} {what}"));
+                }
             }
+            if a.started.is_empty() {
+                parts.push("starting".into());
+            }
+            s.push_str(&format!("\n  {} (agent pid {}): {}", a.node, a.pid, parts.join(", ")));
         }
         s.push('\n');
         s

@@ -107,6 +107,11 @@ pub struct InFlight {
 }
 
 impl InFlight {
+    /// Whether `r` is one of the processes this change releases.
+    pub(super) fn is_leaving(&self, r: Rank) -> bool {
+        self.leaving.contains(&r)
+    }
+
     /// The job failed while this change was under way.
     pub fn fail(self, why: &str) {
         if let Some(r) = self.reply {

@@ -1,5 +1,5 @@
-//! The controller's socket: agents started by a resize connect to it, and so does
-//! `ductile resize`.
+//! The controller's socket: agents started by a resize connect to it, and so do
+//! `ductile resize` and `ductile status`.
 //!
 //! It lives in `$TMPDIR/ductile-<uid>/` (created with mode 0700, refused if another user
 //! owns it) as `job-<id>.sock`, and is removed when the job ends. Every connection must
