@@ -428,13 +428,17 @@ fn the_job_key_is_in_no_command_line_environment_log_or_report() {
         .spawn()
         .unwrap();
     let launcher = u64::from(child.id());
+    let launcher_cmdline = std::fs::read(format!("/proc/{launcher}/cmdline")).unwrap();
     let mut job = common::Running(child);
     let (out, err) = (common::lines_of(job.0.stdout.take().unwrap()), common::lines_of(job.0.stderr.take().unwrap()));
     let mut seen = std::collections::BTreeSet::new();
     let start = Instant::now();
     while job.0.try_wait().unwrap().is_none() {
         assert!(start.elapsed() < Duration::from_secs(60), "the job did not end");
-        for pid in common::marked(&mark).into_iter().filter(|&p| p != launcher) {
+        // The launcher, and a child it forked that has not yet become an agent (until
+        // its exec it is a copy of the launcher, environment and all), are skipped.
+        let forked = |p: u64| std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c == launcher_cmdline);
+        for pid in common::marked(&mark).into_iter().filter(|&p| p != launcher && !forked(p)) {
             for file in ["cmdline", "environ"] {
                 let Ok(bytes) = std::fs::read(format!("/proc/{pid}/{file}")) else { continue };
                 let text = String::from_utf8_lossy(&bytes).replace('\0', " ");
