@@ -48,6 +48,8 @@ cargo clippy --workspace --all-targets --locked --all-features -- -D warnings
 # A plain `cargo build` (tcp only, no C dependency) must keep working too.
 echo "== cargo clippy, default features only"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== cargo doc (every library's documentation, links checked)"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace --all-features --lib --locked
 echo "== build (binaries, examples, tests)"
 cargo build --workspace --all-targets --locked "${FEATURES[@]}"
 echo "== tests"

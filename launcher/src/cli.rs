@@ -63,6 +63,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "N")]
     pub preferred_nodes: Option<u32>,
     /// When the job changes size: fixed, steps:A,B,C (node counts), inc-dec, random[:SEED].
+    // The text is `--help`'s too, so the brackets stay as they are, not a link.
+    #[allow(rustdoc::broken_intra_doc_links)]
     #[arg(long, default_value = "fixed", value_parser = parse_policy)]
     pub policy: PolicySpec,
     /// Checkpoints between change points of the policy.

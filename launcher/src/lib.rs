@@ -14,6 +14,10 @@
 //! [`membership`]); growth starts new node worlds along a spawn tree of agents, and
 //! shrinking ends whole node worlds first.
 
+// Module docs link to private items too, for readers of `cargo doc
+// --document-private-items`, where those links resolve.
+#![allow(rustdoc::private_intra_doc_links)]
+
 pub mod agent;
 pub mod cli;
 pub mod controller;

@@ -17,6 +17,10 @@
 //! separates the traffic of different groups or epochs; a *tag* is chosen by the sender
 //! and matched by the receiver, with the top half of the tag space kept for the runtime.
 
+// Module docs link to private items too, for readers of `cargo doc
+// --document-private-items`, where those links resolve.
+#![allow(rustdoc::private_intra_doc_links)]
+
 pub mod auth;
 pub mod config;
 pub mod error;
