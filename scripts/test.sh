@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(libfabric-dev libclang-dev libfabric-bin pkg-config)
+PACKAGES=(libfabric-dev libclang-dev libfabric-bin pkg-config iproute2)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -16,17 +16,19 @@
 //! can take long (loading Debian's libfabric takes 0.25 s, see docs/BENCHMARKS.md), and
 //! waiting for it before each step paid it once per step of the tree.
 
-use crate::output::{forward, Stream};
+use crate::output::{forward, Sink, Stream};
 use crate::proto::AGENT_VERSION;
 use crate::proto::{
-    Adopt, AgentHandoff, Exit, FromAgent, Hello, Joining, NodeStarted, RankStarted, SpawnOrder, ToAgent,
+    Adopt, AgentHandoff, ChannelRead, ChannelWrite, Exit, FromAgent, Hello, Joining, NodeStarted, RankStarted,
+    SpawnOrder, ToAgent,
 };
 use crate::spawn::{signal_pid, spawn_with_channel, Input, Output};
 use anyhow::{bail, Context as _};
 use ductile::bootstrap::{self, nonblocking, FromRank, RankHandoff, ToRank, CONTROL_FD_ENV, HANDOFF_VERSION};
-use ductile_transport::Rank;
+use ductile_transport::{auth, Rank};
 use serde::de::DeserializeOwned;
 use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -117,26 +119,87 @@ where
     rx
 }
 
-/// Runs the agent; returns when its node world has ended.
+/// The agent's channel to the controller (or to its spawner), shared by whoever
+/// reports on it: the supervisor and, on another host than the controller's, the
+/// forwarders of its ranks' output.
+#[derive(Clone)]
+pub struct Uplink(Arc<tokio::sync::Mutex<ChannelWrite>>);
+
+impl Uplink {
+    fn new(w: ChannelWrite) -> Self {
+        Self(Arc::new(tokio::sync::Mutex::new(w)))
+    }
+
+    /// Sends one message.
+    async fn send(&self, m: &FromAgent) -> Result<(), bootstrap::ControlError> {
+        nonblocking::write_msg(&mut *self.0.lock().await, m).await
+    }
+
+    /// Sends a piece of a rank's output (lost if the controller is gone).
+    pub async fn output(&self, s: Stream, bytes: Vec<u8>) {
+        let _ = self.send(&FromAgent::Output(s, bytes)).await;
+    }
+}
+
+/// The channel to whoever started this agent: fd 3 (see [`spawn_with_channel`]), or
+/// stdin and stdout for an agent started through a remote shell. Those two are taken
+/// over (moved to new descriptors) so that nothing else writes to the channel: fd 0
+/// becomes `/dev/null` and fd 1 a copy of stderr.
+fn parent_channel(stdio: bool) -> anyhow::Result<(ChannelRead, ChannelWrite)> {
+    if !stdio {
+        let fd: i32 =
+            std::env::var(CONTROL_FD_ENV).context("the agent is started by `ductile run`, not by hand")?.parse()?;
+        let std_stream = bootstrap::take_control(fd).map_err(anyhow::Error::msg)?;
+        std_stream.set_nonblocking(true)?;
+        let (r, w) = UnixStream::from_std(std_stream)?.into_split();
+        return Ok((Box::new(r), Box::new(w)));
+    }
+    let take = |fd: i32, replacement: i32| -> std::io::Result<OwnedFd> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: dup, fcntl and dup2 on this process's standard descriptors; the new
+        // descriptor is owned by the OwnedFd alone.
+        unsafe {
+            let new = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3);
+            if new < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let owned = OwnedFd::from_raw_fd(new);
+            let flags = libc::fcntl(new, libc::F_GETFL);
+            if flags < 0 || libc::fcntl(new, libc::F_SETFL, flags | libc::O_NONBLOCK) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::dup2(replacement, fd) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(owned)
+        }
+    };
+    let null = std::fs::File::open("/dev/null")?;
+    let r = take(0, null.as_raw_fd())?;
+    let w = take(1, 2)?;
+    // Pipes or sockets, as the remote shell made them: both poll the same way.
+    let r = tokio::net::unix::pipe::Receiver::from_owned_fd_unchecked(r)?;
+    let w = tokio::net::unix::pipe::Sender::from_owned_fd_unchecked(w)?;
+    Ok((Box::new(r), Box::new(w)))
+}
+
+/// Runs the agent; returns when its node world has ended. `stdio`: started through a
+/// remote shell (see [`parent_channel`]).
 ///
 /// # Errors
 /// A broken control channel or a handoff it cannot follow.
-pub async fn run() -> anyhow::Result<()> {
-    let fd: i32 =
-        std::env::var(CONTROL_FD_ENV).context("the agent is started by `ductile run`, not by hand")?.parse()?;
+pub async fn run(stdio: bool) -> anyhow::Result<()> {
     outlive_user_signals()?;
-    let std_stream = bootstrap::take_control(fd).map_err(anyhow::Error::msg)?;
-    std_stream.set_nonblocking(true)?;
-    let (mut prx, mut ptx) = UnixStream::from_std(std_stream)?.into_split();
-    let h = match nonblocking::read_msg::<ToAgent>(&mut prx).await? {
-        ToAgent::Handoff(h) if h.version == AGENT_VERSION => h,
+    let (mut prx, mut ptx) = parent_channel(stdio)?;
+    let mut h = match nonblocking::read_msg::<ToAgent>(&mut prx).await? {
+        ToAgent::Handoff(h) if h.version == AGENT_VERSION => *h,
         ToAgent::Handoff(h) => bail!("agent handoff version {} (this build speaks {AGENT_VERSION})", h.version),
         other => bail!("expected a handoff, got {other:?}"),
     };
-    let (up_rx, mut up_tx, mut spawner) = match &h.joining {
-        None => (prx, ptx, None),
+    let (up_rx, up, spawner, via) = match &h.joining {
+        None => (prx, Uplink::new(ptx), None, None),
         Some(j) => match connect(&h, j).await {
-            Ok((r, w)) => (r, w, Some(ptx)),
+            Ok((r, w, via)) => (r, Uplink::new(w), Some(Uplink::new(ptx)), via),
             Err(e) => {
                 let msg = format!("{}: cannot reach the controller: {e:#}", h.node);
                 nonblocking::write_msg(&mut ptx, &FromAgent::Failed(msg)).await?;
@@ -144,38 +207,39 @@ pub async fn run() -> anyhow::Result<()> {
             }
         },
     };
+    h.transport.bind_host = bind_host(&h, via);
     let (grown_tx, mut grown_rx) = mpsc::unbounded_channel();
     let mut growing = 0;
     if let Some(j) = &h.joining {
-        if let Some(w) = spawner.as_mut() {
-            nonblocking::write_msg(w, &FromAgent::Started).await?;
+        if let Some(w) = spawner.as_ref() {
+            w.send(&FromAgent::Started).await?;
         }
         // This node's own orders go out now, while its ranks start.
         start_growth(&h, j.spawns.clone(), Dest::Spawner, &grown_tx);
         growing += 1;
     }
-    let mut up = reader(up_rx);
-    let report = spawner.as_mut().unwrap_or(&mut up_tx);
-    let mut world = match start_ranks(&h).await {
+    let mut up_msgs = reader(up_rx);
+    let report = spawner.clone().unwrap_or_else(|| up.clone());
+    let mut world = match start_ranks(&h, &up).await {
         Ok(w) => w,
         Err(e) => {
-            let _ = nonblocking::write_msg(report, &FromAgent::Failed(format!("{}: {e:#}", h.node))).await;
+            let _ = report.send(&FromAgent::Failed(format!("{}: {e:#}", h.node))).await;
             settle(&h, growing, &mut grown_rx).await;
             return Ok(());
         }
     };
     let mut early = Vec::new();
-    let started = match await_ready(&h, &mut world, report, (&mut up, &mut early)).await {
+    let started = match await_ready(&h, &mut world, &report, (&mut up_msgs, &mut early)).await {
         Ok(s) => s,
         Err(e) => {
             // Said first: ending the ranks may take a while.
-            let _ = nonblocking::write_msg(report, &FromAgent::Failed(format!("{}: {e:#}", h.node))).await;
+            let _ = report.send(&FromAgent::Failed(format!("{}: {e:#}", h.node))).await;
             end_ranks(&mut world).await;
             settle(&h, growing, &mut grown_rx).await;
             return Ok(());
         }
     };
-    if let Err(e) = nonblocking::write_msg(report, &FromAgent::Ready(started.clone())).await {
+    if let Err(e) = report.send(&FromAgent::Ready(started.clone())).await {
         // The spawner is gone: the growth has failed.
         end_ranks(&mut world).await;
         settle(&h, growing, &mut grown_rx).await;
@@ -188,17 +252,24 @@ pub async fn run() -> anyhow::Result<()> {
             let _ = tx.send(Ok(m));
         }
         tokio::spawn(async move {
-            while let Some(m) = up.recv().await {
+            while let Some(m) = up_msgs.recv().await {
                 if tx.send(m).is_err() {
                     return;
                 }
             }
         });
-        up = rx;
+        up_msgs = rx;
     }
     let own = NodeStarted { node: h.node, agent_pid: std::process::id(), ranks: started };
-    let mut sup = Supervisor { h, up_tx, spawner, own, grown_tx, growing };
-    sup.supervise(&mut world, up, grown_rx).await
+    let mut sup = Supervisor { h, up, spawner, own, grown_tx, growing };
+    sup.supervise(&mut world, up_msgs, grown_rx).await
+}
+
+/// The address this node's ranks bind to: loopback for a job on one host; else the
+/// local address of this agent's connection to the controller, or of the route to it.
+fn bind_host(h: &AgentHandoff, via: Option<IpAddr>) -> Option<IpAddr> {
+    let net = h.network.as_ref()?;
+    via.or_else(|| net.controller.iter().find_map(|a| crate::netaddr::route_source(*a).ok()))
 }
 
 /// A batch system may signal every process of a job with SIGUSR1 or SIGUSR2 (a warning
@@ -225,24 +296,53 @@ async fn settle(h: &AgentHandoff, growing: usize, grown_rx: &mut mpsc::Unbounded
     }
 }
 
-/// Connects a joining agent to the controller's socket and says who it is.
-async fn connect(h: &AgentHandoff, j: &Joining) -> anyhow::Result<(OwnedReadHalf, OwnedWriteHalf)> {
-    let s = tokio::time::timeout(Duration::from_millis(h.join_timeout_ms.max(1)), UnixStream::connect(&h.socket))
-        .await
-        .context("timed out")??;
-    let (r, mut w) = s.into_split();
-    nonblocking::write_msg(&mut w, &Hello::Agent { node: h.node, token: j.token.clone() }).await?;
-    Ok((r, w))
+/// Connects a joining agent to the controller and says who it is: over its Unix
+/// socket on the controller's host, else over TCP (the first of its addresses that
+/// answers), authenticated with the job key. Returns the connection and, over TCP, its
+/// local address.
+async fn connect(h: &AgentHandoff, j: &Joining) -> anyhow::Result<(ChannelRead, ChannelWrite, Option<IpAddr>)> {
+    let limit = Duration::from_millis(h.join_timeout_ms.max(1));
+    let hello = Hello::Agent { node: h.node, token: j.token.clone(), pid: std::process::id() };
+    let Some(net) = h.network.as_ref().filter(|_| h.remote) else {
+        let s = tokio::time::timeout(limit, UnixStream::connect(&h.socket)).await.context("timed out")??;
+        let (r, mut w) = s.into_split();
+        nonblocking::write_msg(&mut w, &hello).await?;
+        return Ok((Box::new(r), Box::new(w), None));
+    };
+    let mut last = anyhow::anyhow!("the controller has no address");
+    for &addr in &net.controller {
+        match tokio::time::timeout(limit, dial_controller(h, addr)).await {
+            Ok(Ok(mut s)) => {
+                let via = s.local_addr()?.ip();
+                nonblocking::write_msg(&mut s, &hello).await?;
+                let (r, w) = s.into_split();
+                return Ok((Box::new(r), Box::new(w), Some(via)));
+            }
+            Ok(Err(e)) => last = e.context(format!("at {addr}")),
+            Err(_) => last = anyhow::anyhow!("at {addr}: timed out after {limit:?}"),
+        }
+    }
+    Err(last)
 }
 
-async fn start_ranks(h: &AgentHandoff) -> anyhow::Result<NodeWorld> {
+/// A TCP connection to the controller at `addr`, both sides proven to hold the job key.
+async fn dial_controller(h: &AgentHandoff, addr: std::net::SocketAddr) -> anyhow::Result<tokio::net::TcpStream> {
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.set_nodelay(true)?;
+    let me = auth::Identity { job: h.job, key: h.key.clone(), rank: Rank(h.node.0) };
+    let limit = Duration::from_millis(h.join_timeout_ms.max(1));
+    auth::dial(&mut s, &me, crate::controller::socket::CONTROLLER_RANK, limit).await?;
+    Ok(s)
+}
+
+async fn start_ranks(h: &AgentHandoff, up: &Uplink) -> anyhow::Result<NodeWorld> {
     let (exit_tx, exits) = mpsc::unbounded_channel();
     let mut out =
         NodeWorld { procs: HashMap::new(), readers: Vec::new(), forwarders: Vec::new(), exits, adopted: None };
     for &id in &h.ids {
         let started = match &h.adopt {
             Some(a) => adopt_rank(h, id, a, &mut out, &exit_tx).await,
-            None => start_rank(h, id, &mut out, &exit_tx).await,
+            None => start_rank(h, id, &mut out, (&exit_tx, up)).await,
         };
         if let Err(e) = started {
             end_ranks(&mut out).await;
@@ -257,13 +357,15 @@ async fn start_rank(
     h: &AgentHandoff,
     id: Rank,
     out: &mut NodeWorld,
-    exit_tx: &mpsc::UnboundedSender<(Rank, Exit)>,
+    (exit_tx, up): (&mpsc::UnboundedSender<(Rank, Exit)>, &Uplink),
 ) -> anyhow::Result<()> {
     let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
     // The job's rank 0 at start reads what `ductile run` was given on stdin (see
     // `controller::stdin_for`); every other rank reads nothing.
     let input = if id == Rank(0) && h.joining.is_none() { Input::Inherit } else { Input::Null };
-    let spawned = spawn_with_channel(h.program.as_ref(), &h.args, &theirs, false, (input, Output::Piped), true);
+    let network = h.network.as_ref().filter(|_| h.remote);
+    let spawned =
+        spawn_with_channel(h.program.as_ref(), &h.args, &theirs, false, (input, Output::Piped), true, network);
     let mut child = match spawned {
         Ok(c) => c,
         Err(e) => bail!("cannot start {} for {id}: {e}", h.program),
@@ -271,11 +373,12 @@ async fn start_rank(
     drop(theirs);
     let pid = child.id().unwrap_or(0);
     let prefix = h.tag_output.then(|| format!("[{}] ", id.0));
+    let sink = |s| if h.remote { Sink::Up(s, up.clone()) } else { Sink::Local(s) };
     if let Some(o) = child.stdout.take() {
-        out.forwarders.push(tokio::spawn(forward(o, prefix.clone(), Stream::Stdout)));
+        out.forwarders.push(tokio::spawn(forward(o, prefix.clone(), sink(Stream::Stdout))));
     }
     if let Some(e) = child.stderr.take() {
-        out.forwarders.push(tokio::spawn(forward(e, prefix, Stream::Stderr)));
+        out.forwarders.push(tokio::spawn(forward(e, prefix, sink(Stream::Stderr))));
     }
     let tx = exit_tx.clone();
     tokio::spawn(async move {
@@ -392,7 +495,7 @@ fn pidfd(pid: u32) -> std::io::Result<AsyncFd<OwnedFd>> {
 async fn await_ready(
     h: &AgentHandoff,
     world: &mut NodeWorld,
-    report: &mut OwnedWriteHalf,
+    report: &Uplink,
     (up, early): (&mut mpsc::UnboundedReceiver<Result<ToAgent, String>>, &mut Vec<ToAgent>),
 ) -> anyhow::Result<Vec<RankStarted>> {
     // The controller sets this a little shorter than its own limit, so that the
@@ -411,7 +514,7 @@ async fn await_ready(
                 Some((r, exit)) = world.exits.recv() => {
                     // Reaped: its pid is no longer ours to signal.
                     world.procs.remove(&r);
-                    nonblocking::write_msg(report, &FromAgent::RankExited { rank: r, exit }).await?;
+                    report.send(&FromAgent::RankExited { rank: r, exit }).await?;
                     bail!("{r} {exit} before joining the job");
                 }
                 m = up.recv() => match m {
@@ -431,7 +534,7 @@ async fn await_ready(
                 // soon, says more (its code is the job's) than the broken channel.
                 if let Ok(Some((r, exit))) = tokio::time::timeout(EXIT_AFTER_EOF, world.exits.recv()).await {
                     world.procs.remove(&r);
-                    nonblocking::write_msg(report, &FromAgent::RankExited { rank: r, exit }).await?;
+                    report.send(&FromAgent::RankExited { rank: r, exit }).await?;
                     bail!("{r} {exit} before joining the job");
                 }
                 bail!("{id} did not join the job (is it a ductile program?): {e}")
@@ -444,8 +547,8 @@ async fn await_ready(
 
 struct Supervisor {
     h: AgentHandoff,
-    up_tx: OwnedWriteHalf,
-    spawner: Option<OwnedWriteHalf>,
+    up: Uplink,
+    spawner: Option<Uplink>,
     own: NodeStarted,
     grown_tx: mpsc::UnboundedSender<Grown>,
     /// Growths started here and not yet reported. The agent outlives its ranks until
@@ -503,7 +606,7 @@ impl Supervisor {
             tokio::select! {
                 Some((rank, exit)) = world.exits.recv() => {
                     world.procs.remove(&rank);
-                    let _ = nonblocking::write_msg(&mut self.up_tx, &FromAgent::RankExited { rank, exit }).await;
+                    let _ = self.up.send(&FromAgent::RankExited { rank, exit }).await;
                 }
                 Some((id, m)) = msgs.recv() => self.relay(id, m).await,
                 Some((dest, r)) = grown.recv() => {
@@ -536,7 +639,7 @@ impl Supervisor {
         for f in world.forwarders.drain(..) {
             let _ = tokio::time::timeout_at(deadline, f).await;
         }
-        let _ = nonblocking::write_msg(&mut self.up_tx, &FromAgent::Done).await;
+        let _ = self.up.send(&FromAgent::Done).await;
         Ok(())
     }
 
@@ -545,7 +648,7 @@ impl Supervisor {
             FromRank::Finalized => {}
             FromRank::Ready { .. } => tracing::warn!("{id} reported ready twice"),
             other => {
-                let _ = nonblocking::write_msg(&mut self.up_tx, &FromAgent::Rank(id, other)).await;
+                let _ = self.up.send(&FromAgent::Rank(id, other)).await;
             }
         }
     }
@@ -604,14 +707,7 @@ impl Supervisor {
             Dest::Spawner => self.spawner.take(),
             Dest::Controller(_) => None,
         };
-        match to {
-            Some(mut w) => {
-                let _ = nonblocking::write_msg(&mut w, &msg).await;
-            }
-            None => {
-                let _ = nonblocking::write_msg(&mut self.up_tx, &msg).await;
-            }
-        }
+        let _ = to.as_ref().unwrap_or(&self.up).send(&msg).await;
     }
 }
 
@@ -669,32 +765,54 @@ async fn run_sequence(h: &AgentHandoff, seq: Vec<SpawnOrder>) -> Result<Vec<Node
     Ok(all.into_iter().flatten().collect())
 }
 
-/// Starts one node world's agent and waits until it has taken over (its ranks start
-/// next).
-async fn start_child(h: &AgentHandoff, o: SpawnOrder) -> Result<(ductile_transport::NodeId, OwnedReadHalf), String> {
+/// Starts one node world's agent (here, or through the remote shell on the order's
+/// host) and waits until it has taken over (its ranks start next).
+async fn start_child(h: &AgentHandoff, o: SpawnOrder) -> Result<(ductile_transport::NodeId, ChannelRead), String> {
     let node = o.node;
-    let fail = |e: String| format!("{node}: {e}");
-    let exe = std::env::current_exe().map_err(|e| fail(e.to_string()))?;
-    let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| fail(e.to_string()))?;
-    // No parent-death signal: this agent may be released before the one it starts. The
-    // new agent's lifeline is its connection to the controller.
-    let mut child =
-        spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, (Input::Null, Output::Inherit), false)
-            .map_err(|e| fail(format!("cannot start its agent: {e}")))?;
-    drop(theirs);
-    tokio::spawn(async move {
-        let _ = child.wait().await;
-    });
-    ours.set_nonblocking(true).map_err(|e| fail(e.to_string()))?;
-    let (mut rx, mut tx) = UnixStream::from_std(ours).map_err(|e| fail(e.to_string()))?.into_split();
+    let remote = match (&h.network, &o.host) {
+        (Some(net), Some(host)) if !crate::hosts::is_local(host) => Some((net, host)),
+        _ => None,
+    };
+    let place = match remote {
+        Some((net, host)) => format!("{node} (on {host}, started by `{}`)", net.rsh.join(" ")),
+        None => node.to_string(),
+    };
+    let fail = |e: String| format!("{place}: {e}");
+    let (mut rx, mut tx): (ChannelRead, ChannelWrite) = match remote {
+        // No parent-death signal: this agent may be released before the one it
+        // starts. The new agent's lifeline is its connection to the controller.
+        Some((net, host)) => {
+            let (mut child, r, w) = crate::spawn::spawn_remote(&net.rsh, host, &net.exe, false)
+                .map_err(|e| fail(format!("cannot start the remote shell for {host}: {e}")))?;
+            tokio::spawn(async move {
+                let _ = child.wait().await;
+            });
+            (r, w)
+        }
+        None => {
+            let exe = std::env::current_exe().map_err(|e| fail(e.to_string()))?;
+            let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| fail(e.to_string()))?;
+            let io = (Input::Null, Output::Inherit);
+            let mut child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, io, false, None)
+                .map_err(|e| fail(format!("cannot start its agent: {e}")))?;
+            drop(theirs);
+            tokio::spawn(async move {
+                let _ = child.wait().await;
+            });
+            ours.set_nonblocking(true).map_err(|e| fail(e.to_string()))?;
+            let (r, w) = UnixStream::from_std(ours).map_err(|e| fail(e.to_string()))?.into_split();
+            (Box::new(r), Box::new(w))
+        }
+    };
     let handoff = AgentHandoff {
         node,
         ids: o.ids,
         joining: Some(Joining { token: o.token, spawns: o.spawns }),
         adopt: None,
+        remote: remote.is_some(),
         ..h.clone()
     };
-    nonblocking::write_msg(&mut tx, &ToAgent::Handoff(handoff)).await.map_err(|e| fail(e.to_string()))?;
+    nonblocking::write_msg(&mut tx, &ToAgent::Handoff(Box::new(handoff))).await.map_err(|e| fail(e.to_string()))?;
     let t = Duration::from_millis(h.join_timeout_ms.max(1));
     match tokio::time::timeout(t, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
         Ok(Ok(FromAgent::Started)) => {

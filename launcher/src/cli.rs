@@ -33,7 +33,16 @@ pub enum Command {
     Status(StatusArgs),
     /// Internal: the node agent started by `ductile run`.
     #[command(hide = true)]
-    Agent,
+    Agent(AgentArgs),
+}
+
+/// Arguments of the (internal) `ductile agent`.
+#[derive(Debug, clap::Args)]
+pub struct AgentArgs {
+    /// Started through a remote shell: the channel to whoever started it is stdin and
+    /// stdout, not an inherited descriptor.
+    #[arg(long)]
+    pub stdio: bool,
 }
 
 /// Arguments of `ductile run`.
@@ -43,9 +52,24 @@ pub struct RunArgs {
     /// Number of ranks (processes).
     #[arg(short = 'n', long = "np", value_name = "NPROCS")]
     pub n: Option<u32>,
-    /// Number of simulated nodes.
+    /// Number of nodes to start on (simulated local nodes, or the first hosts of
+    /// --hosts/--hostfile).
     #[arg(long)]
     pub nodes: Option<u32>,
+    /// Hosts the job runs on, one node each: `NAME` or `NAME:SLOTS`, comma-separated
+    /// (a host without a count has --slots slots, else 1). Without it, or --hostfile,
+    /// nodes are simulated on this host.
+    #[arg(long, value_name = "HOSTS", conflicts_with = "hostfile")]
+    pub hosts: Option<String>,
+    /// A file of hosts: one per line, `NAME [slots=N]` (or `NAME:N`), `#` comments; a
+    /// name repeated adds slots (as in a PBS node file).
+    #[arg(long, value_name = "FILE")]
+    pub hostfile: Option<PathBuf>,
+    /// The remote shell that starts node agents on other hosts: the words before the
+    /// host name (default: DUCTILE_RSH, then `ssh -o BatchMode=yes`). Every host must
+    /// have the launcher and the program at the same paths.
+    #[arg(long, value_name = "COMMAND")]
+    pub rsh: Option<String>,
     /// Process slots per node: one count, or a list for nodes 0, 1, ... (the last entry
     /// repeats), e.g. `4,2,8`.
     #[arg(long, value_delimiter = ',', num_args = 1)]
@@ -275,13 +299,32 @@ impl RunArgs {
     /// # Errors
     /// One line saying what is wrong.
     pub fn into_spec(self) -> Result<JobSpec, String> {
-        let layout = layout::plan_slots(self.n, self.nodes, &self.slots).map_err(|e| e.to_string())?;
+        let pool = self.host_pool()?;
+        let slot_list = match &pool {
+            Some(hosts) => hosts
+                .iter()
+                .enumerate()
+                .map(|(i, h)| h.slots.unwrap_or_else(|| layout::slots_of(&self.slots, i)))
+                .collect(),
+            None => self.slots.clone(),
+        };
+        // On hosts, a job without -n or --nodes fills every slot of every host.
+        let nodes = match &pool {
+            Some(hosts) if self.n.is_none() => {
+                Some(self.nodes.unwrap_or(u32::try_from(hosts.len()).unwrap_or(u32::MAX)))
+            }
+            _ => self.nodes,
+        };
+        let layout = layout::plan_slots(self.n, nodes, &slot_list).map_err(|e| e.to_string())?;
         let initial = layout.nodes.len() as u32;
+        if let Some(hosts) = &pool {
+            check_fits(hosts.len(), initial, self.max_nodes)?;
+        }
         let steps_max = match &self.policy {
             PolicySpec::Steps(s) => s.iter().copied().max().unwrap_or(1),
             _ => 1,
         };
-        let max = self.max_nodes.unwrap_or(initial.max(steps_max));
+        let max = self.max_nodes.or(pool.as_ref().map(|h| h.len() as u32)).unwrap_or(initial.max(steps_max));
         if initial > max {
             return Err(format!("the job starts on {initial} nodes, above --max-nodes {max}"));
         }
@@ -303,7 +346,7 @@ impl RunArgs {
         }
         let bounds = Bounds::new(self.min_nodes, max, self.preferred_nodes).map_err(|e| e.to_string())?;
         let slots: Vec<u32> = (0..max as usize)
-            .map(|i| layout.nodes.get(i).map_or_else(|| layout::slots_of(&self.slots, i), |n| n.slots))
+            .map(|i| layout.nodes.get(i).map_or_else(|| layout::slots_of(&slot_list, i), |n| n.slots))
             .collect();
         if u64::from(max) * u64::from(slots.iter().copied().max().unwrap_or(1)) > u64::from(layout::MAX_RANKS) {
             return Err(format!("a pool of {max} nodes exceeds the limit of {} ranks", layout::MAX_RANKS));
@@ -330,6 +373,10 @@ impl RunArgs {
         // The ranks inherit this environment: a setting they would refuse fails the job
         // here, before any process starts.
         ductile::env::EnvSettings::from_env().map_err(|e| format!("{e} (the ranks would inherit it)"))?;
+        let hosts = pool.map(|h| crate::controller::HostPool {
+            names: h.into_iter().map(|h| h.name).collect(),
+            rsh: rsh_words(self.rsh.as_deref()),
+        });
         Ok(JobSpec {
             layout,
             slots,
@@ -352,12 +399,55 @@ impl RunArgs {
             transport: ductile::bootstrap::TransportSpec {
                 name: self.transport,
                 fabric_provider: self.fabric_provider,
+                bind_host: None,
             },
             report: self.report,
             redistribution: self.redistribution,
             background: self.background,
             adopt,
             quiet: self.quiet,
+            hosts,
         })
     }
+
+    /// The hosts of --hosts or --hostfile, if given.
+    fn host_pool(&self) -> Result<Option<Vec<crate::hosts::Host>>, String> {
+        let hosts = match (&self.hosts, &self.hostfile) {
+            (Some(list), _) => crate::hosts::parse_list(list).map_err(|e| format!("--hosts: {e}"))?,
+            (None, Some(path)) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("cannot read the hostfile {}: {e}", path.display()))?;
+                crate::hosts::parse_file(&text).map_err(|e| format!("{}: {e}", path.display()))?
+            }
+            (None, None) if self.rsh.is_some() => return Err("--rsh needs --hosts or --hostfile".into()),
+            (None, None) => return Ok(None),
+        };
+        if hosts.is_empty() {
+            return Err("no hosts given".into());
+        }
+        if self.rsh.as_deref().is_some_and(|r| r.trim().is_empty()) {
+            return Err("--rsh is empty".into());
+        }
+        Ok(Some(hosts))
+    }
+}
+
+/// Fails unless a job starting on `initial` nodes, with at most `max` (if given), fits
+/// on `hosts` hosts.
+fn check_fits(hosts: usize, initial: u32, max: Option<u32>) -> Result<(), String> {
+    let plural = if hosts == 1 { "" } else { "s" };
+    if initial as usize > hosts {
+        return Err(format!("the job needs {initial} nodes, but there are {hosts} host{plural}"));
+    }
+    match max.filter(|&m| m as usize > hosts) {
+        Some(m) => Err(format!("--max-nodes {m} is more than the {hosts} host{plural}")),
+        None => Ok(()),
+    }
+}
+
+/// The remote shell's words: `--rsh`, else `DUCTILE_RSH`, else the default.
+fn rsh_words(given: Option<&str>) -> Vec<String> {
+    let from_env = std::env::var(crate::controller::remote::RSH_ENV).ok().filter(|v| !v.trim().is_empty());
+    let text = given.map(str::to_owned).or(from_env).unwrap_or_else(|| crate::controller::remote::DEFAULT_RSH.into());
+    text.split_whitespace().map(str::to_owned).collect()
 }

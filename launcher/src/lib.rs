@@ -21,8 +21,10 @@
 pub mod agent;
 pub mod cli;
 pub mod controller;
+pub mod hosts;
 pub mod layout;
 pub mod membership;
+pub mod netaddr;
 pub mod output;
 pub mod plan;
 pub mod policy;

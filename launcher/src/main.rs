@@ -74,7 +74,7 @@ fn main() -> ExitCode {
         }
     };
     match cli.command {
-        Command::Agent => match rt.block_on(ductile_launcher::agent::run()) {
+        Command::Agent(a) => match rt.block_on(ductile_launcher::agent::run(a.stdio)) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 ductile_launcher::say_errln!("ductile agent: {e:#}");

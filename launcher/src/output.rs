@@ -32,7 +32,7 @@ macro_rules! say { ($($arg:tt)*) => { $crate::__say!(std::io::stdout(), write, $
 macro_rules! sayln { ($($arg:tt)*) => { $crate::__say!(std::io::stdout(), writeln, $($arg)*) }; }
 
 /// Which of the agent's streams to write to.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Stream {
     /// Standard output.
     Stdout,
@@ -45,19 +45,43 @@ pub enum Stream {
 /// then come between, instead of taking memory without bound.
 const MAX_PIECE: usize = 1 << 20;
 
-/// Copies `from` to the agent's `to` stream a line at a time (so lines of different
-/// ranks never interleave mid-line, unless longer than [`MAX_PIECE`]), with `prefix`
-/// before each line.
-pub async fn forward(from: impl AsyncRead + Unpin, prefix: Option<String>, to: Stream) {
-    // A closed stdout (e.g. `| head`) must not stop the job; the output is dropped.
+/// Where a rank's output goes.
+#[derive(Clone)]
+pub enum Sink {
+    /// The agent's own stdout or stderr (shared with the controller on its host).
+    Local(Stream),
+    /// Messages on the agent's channel to the controller (an agent on another host,
+    /// whose stdout carries its channel to its spawner): the stream, and the channel.
+    Up(Stream, crate::agent::Uplink),
+}
+
+/// Copies `from` to `to` a line at a time (so lines of different ranks never
+/// interleave mid-line, unless longer than [`MAX_PIECE`]), with `prefix` before each
+/// line.
+pub async fn forward(from: impl AsyncRead + Unpin, prefix: Option<String>, to: Sink) {
     forward_pieces(from, prefix, MAX_PIECE, |b| {
-        let _ = write_to(to, b);
+        let to = to.clone();
+        async move {
+            match to {
+                // A closed stdout (e.g. `| head`) must not stop the job; the output is
+                // dropped.
+                Sink::Local(s) => {
+                    let _ = write_to(s, &b);
+                }
+                Sink::Up(s, up) => up.output(s, b).await,
+            }
+        }
     })
     .await;
 }
 
 /// [`forward`] into `out`, one call per line or piece of at most `max` bytes.
-async fn forward_pieces(from: impl AsyncRead + Unpin, prefix: Option<String>, max: usize, mut out: impl FnMut(&[u8])) {
+async fn forward_pieces<F: std::future::Future<Output = ()>>(
+    from: impl AsyncRead + Unpin,
+    prefix: Option<String>,
+    max: usize,
+    mut out: impl FnMut(Vec<u8>) -> F,
+) {
     let mut reader = BufReader::new(from);
     let mut line = Vec::with_capacity(256);
     let mut mid_line = false;
@@ -66,7 +90,7 @@ async fn forward_pieces(from: impl AsyncRead + Unpin, prefix: Option<String>, ma
         match (&mut reader).take(max as u64).read_until(b'\n', &mut line).await {
             Ok(0) => {
                 if mid_line {
-                    out(b"\n");
+                    out(b"\n".to_vec()).await;
                 }
                 return;
             }
@@ -87,11 +111,15 @@ async fn forward_pieces(from: impl AsyncRead + Unpin, prefix: Option<String>, ma
             piece.push(b'\n');
         }
         mid_line = !whole && line.len() == max;
-        out(&piece);
+        out(piece).await;
     }
 }
 
-fn write_to(to: Stream, bytes: &[u8]) -> std::io::Result<()> {
+/// Writes `bytes` to this process's `to` stream.
+///
+/// # Errors
+/// The stream is closed.
+pub fn write_to(to: Stream, bytes: &[u8]) -> std::io::Result<()> {
     match to {
         Stream::Stdout => std::io::stdout().lock().write_all(bytes),
         Stream::Stderr => std::io::stderr().lock().write_all(bytes),
@@ -104,7 +132,11 @@ mod tests {
 
     async fn pieces(input: &[u8], max: usize) -> Vec<String> {
         let mut got = Vec::new();
-        forward_pieces(input, Some("[3] ".into()), max, |b| got.push(String::from_utf8_lossy(b).into_owned())).await;
+        forward_pieces(input, Some("[3] ".into()), max, |b| {
+            got.push(String::from_utf8_lossy(&b).into_owned());
+            std::future::ready(())
+        })
+        .await;
         got
     }
 

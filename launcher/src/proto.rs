@@ -1,14 +1,22 @@
 //! Messages between the controller and its agents, over each agent's control channel
 //! (length-prefixed postcard, as in `ductile::bootstrap`).
 
+use crate::output::Stream;
 use crate::plan::resize::Target;
 use ductile::bootstrap::{FromRank, Membership, ToRank, TransportSpec};
 use ductile_transport::{EndpointAddr, JobId, JobKey, NodeId, Rank};
 use serde::{Deserialize, Serialize};
 use std::fmt;
+use std::net::SocketAddr;
+
+/// The reading half of a control channel: a Unix socket, a TCP connection, or a
+/// remote shell's stdout.
+pub type ChannelRead = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
+/// The writing half of a control channel.
+pub type ChannelWrite = Box<dyn tokio::io::AsyncWrite + Send + Unpin>;
 
 /// Version of the agent handoff.
-pub const AGENT_VERSION: u32 = 7;
+pub const AGENT_VERSION: u32 = 8;
 
 /// Everything an agent needs to start its node world.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -46,6 +54,30 @@ pub struct AgentHandoff {
     /// Set for the first node world of a program started alone: its rank is that
     /// running process, reached through this socket, not a process the agent starts.
     pub adopt: Option<Adopt>,
+    /// Set when the job spans hosts.
+    pub network: Option<Network>,
+    /// This agent was started through the remote shell: its channel to whoever started
+    /// it is its stdin and stdout, and its ranks' output goes to the controller as
+    /// [`FromAgent::Output`].
+    pub remote: bool,
+}
+
+/// What the node worlds of a job that spans hosts need to reach each other.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Network {
+    /// The controller's TCP addresses: agents started on other hosts by a resize
+    /// connect to the first that answers, and every agent binds its ranks to its own
+    /// address on the route to the first.
+    pub controller: Vec<SocketAddr>,
+    /// The remote shell: the words before the host name (`ssh -o BatchMode=yes`).
+    pub rsh: Vec<String>,
+    /// The launcher's path, the same on every host.
+    pub exe: String,
+    /// `ductile run`'s environment, given to the ranks on other hosts (as `srun` does;
+    /// names that describe one host or session are left out).
+    pub env: Vec<(String, String)>,
+    /// `ductile run`'s working directory, the ranks' on other hosts where it exists.
+    pub cwd: String,
 }
 
 /// A running process an agent adopts as its node world's rank.
@@ -107,6 +139,8 @@ pub struct SpawnOrder {
     pub node: NodeId,
     /// Endpoint ids of its processes.
     pub ids: Vec<Rank>,
+    /// The host it runs on, for a job that spans hosts (unset: the spawner's).
+    pub host: Option<String>,
     /// The new agent's token.
     pub token: Token,
     /// What the new world starts in turn.
@@ -117,7 +151,7 @@ pub struct SpawnOrder {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum ToAgent {
     /// The first message.
-    Handoff(AgentHandoff),
+    Handoff(Box<AgentHandoff>),
     /// The job's first membership (the start-up fence).
     Membership(Membership),
     /// Start these node worlds (and, through them, their subtrees), for the growth
@@ -236,6 +270,10 @@ pub enum FromAgent {
         /// The node worlds started, or why they failed.
         result: Result<Vec<NodeStarted>, String>,
     },
+    /// Output of the node's ranks, from an agent on another host (one on the
+    /// controller's host writes it to the stdout and stderr it shares with the
+    /// controller).
+    Output(Stream, Vec<u8>),
     /// Every rank ended and its output is forwarded; the agent exits next.
     Done,
 }
@@ -249,6 +287,9 @@ pub enum Hello {
         node: NodeId,
         /// The token from its handoff.
         token: Token,
+        /// Its pid (on its host; over the Unix socket, the socket's credentials
+        /// count).
+        pid: u32,
     },
     /// `ductile resize`.
     Resize(Target),

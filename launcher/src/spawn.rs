@@ -7,6 +7,7 @@
 //! on the launcher's main thread (a current-thread runtime), which matters because the
 //! parent-death signal follows the thread that forked.
 
+use crate::proto::{ChannelRead, ChannelWrite, Network};
 use ductile::bootstrap::{CONTROL_FD, CONTROL_FD_ENV};
 use std::ffi::OsStr;
 use std::os::fd::AsRawFd;
@@ -43,7 +44,8 @@ const PSM_NO_BACKTRACE: [&str; 2] = ["IPATH_NO_BACKTRACE", "HFI_NO_BACKTRACE"];
 
 /// Starts `program args` with `channel` as its control channel, reading `input` and
 /// writing to `output`, in a process group of its own if `new_group`, with the
-/// parent-death signal if `parent_death`.
+/// parent-death signal if `parent_death`, and with `network`'s environment and working
+/// directory (a rank on another host than `ductile run`'s).
 ///
 /// # Errors
 /// The program cannot be started.
@@ -54,10 +56,17 @@ pub fn spawn_with_channel(
     new_group: bool,
     (input, output): (Input, Output),
     parent_death: bool,
+    network: Option<&Network>,
 ) -> std::io::Result<Child> {
     let fd = channel.as_raw_fd();
     let parent = std::process::id();
     let mut cmd = Command::new(program);
+    if let Some(n) = network {
+        cmd.envs(n.env.iter().map(|(k, v)| (k, v)));
+        if std::path::Path::new(&n.cwd).is_dir() {
+            cmd.current_dir(&n.cwd);
+        }
+    }
     cmd.args(args).env(CONTROL_FD_ENV, CONTROL_FD.to_string()).kill_on_drop(false);
     cmd.stdin(if input == Input::Inherit { Stdio::inherit() } else { Stdio::null() });
     cmd.env_remove(crate::controller::TEST_KEY_ENV);
@@ -79,19 +88,49 @@ pub fn spawn_with_channel(
     // SAFETY: the closure runs in the forked child before exec and calls only
     // async-signal-safe functions (fcntl, dup2, setpgid, prctl, getppid).
     unsafe {
-        cmd.pre_exec(move || child_setup(fd, new_group, parent_death.then_some(parent)));
+        cmd.pre_exec(move || child_setup(Some(fd), new_group, parent_death.then_some(parent)));
     }
     cmd.spawn()
 }
 
-fn child_setup(fd: i32, new_group: bool, parent: Option<u32>) -> std::io::Result<()> {
+/// Starts `ductile agent --stdio` on `host` through the remote shell `rsh` (its words
+/// before the host name), in a process group of its own, with the parent-death signal
+/// if `parent_death`: the remote shell's stdin and stdout are the new agent's channel,
+/// its stderr is this process's. The launcher's path `exe` goes through the remote
+/// host's shell, so it must need no quoting (checked by the controller).
+///
+/// # Errors
+/// The remote shell cannot be started.
+pub fn spawn_remote(
+    rsh: &[String],
+    host: &str,
+    exe: &str,
+    parent_death: bool,
+) -> std::io::Result<(Child, ChannelRead, ChannelWrite)> {
+    let (program, words) = rsh.split_first().ok_or_else(|| std::io::Error::other("the remote shell is empty"))?;
+    let parent = std::process::id();
+    let mut cmd = Command::new(program);
+    cmd.args(words).args([host, exe, "agent", "--stdio"]).kill_on_drop(false);
+    cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).env_remove(crate::controller::TEST_KEY_ENV);
+    // SAFETY: as in `spawn_with_channel`.
+    unsafe {
+        cmd.pre_exec(move || child_setup(None, true, parent_death.then_some(parent)));
+    }
+    let mut child = cmd.spawn()?;
+    let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+        return Err(std::io::Error::other("the remote shell's pipes are missing"));
+    };
+    Ok((child, Box::new(stdout), Box::new(stdin)))
+}
+
+fn child_setup(fd: Option<i32>, new_group: bool, parent: Option<u32>) -> std::io::Result<()> {
     let check = |rc: i32| if rc < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) };
     // SAFETY: plain syscalls on descriptors and the calling process.
     unsafe {
-        if fd == CONTROL_FD {
-            check(libc::fcntl(fd, libc::F_SETFD, 0))?;
-        } else {
-            check(libc::dup2(fd, CONTROL_FD))?;
+        match fd {
+            Some(fd) if fd == CONTROL_FD => check(libc::fcntl(fd, libc::F_SETFD, 0))?,
+            Some(fd) => check(libc::dup2(fd, CONTROL_FD))?,
+            None => {}
         }
         if new_group {
             check(libc::setpgid(0, 0))?;
@@ -139,9 +178,16 @@ fn stat_fields(pid: &str) -> Option<Vec<String>> {
     Some(stat.rsplit_once(')')?.1.split_whitespace().map(str::to_owned).collect())
 }
 
+/// Whether `pid` is in the middle of exiting: it has released its memory, and with it
+/// its command line, but is not a zombie yet (an agent on a simulated host whose
+/// channel just closed, say). Such a process needs no signal, only to be reaped.
+fn exiting(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.is_empty())
+}
+
 /// This process's children that started after it did (so not a shell's jobs that
 /// `exec`ed into it), from `/proc` (Linux): each pid, and whether it is still running
-/// (not a zombie waiting to be reaped).
+/// (not a zombie waiting to be reaped, nor [`exiting`]).
 fn children() -> Vec<(u32, bool)> {
     let me = std::process::id();
     let Some(born) = stat_fields("self").and_then(|f| f.get(19)?.parse::<u64>().ok()) else { return Vec::new() };
@@ -151,7 +197,7 @@ fn children() -> Vec<(u32, bool)> {
         .filter_map(|pid| {
             let f = stat_fields(&pid.to_string())?;
             let (parent, started) = (f.get(1)?.parse::<u32>().ok()?, f.get(19)?.parse::<u64>().ok()?);
-            (parent == me && started >= born).then(|| (pid, f[0] != "Z"))
+            (parent == me && started >= born).then(|| (pid, f[0] != "Z" && !exiting(pid)))
         })
         .collect()
 }

@@ -20,7 +20,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 
 /// Version of the handoff; a rank refuses a handoff of another version.
-pub const HANDOFF_VERSION: u32 = 6;
+pub const HANDOFF_VERSION: u32 = 7;
 /// The file descriptor the control channel is passed as.
 pub const CONTROL_FD: i32 = 3;
 /// Environment variable naming the control channel's descriptor.
@@ -63,19 +63,24 @@ pub struct TransportSpec {
     /// The libfabric provider of the `fabric` backend; unset: `FI_PROVIDER`, then
     /// libfabric's choice.
     pub fabric_provider: Option<String>,
+    /// The address the endpoint binds to; unset: loopback (a job on one host).
+    pub bind_host: Option<std::net::IpAddr>,
 }
 
 impl TransportSpec {
     /// A backend by name with default settings.
     #[must_use]
     pub fn named(name: impl Into<String>) -> Self {
-        Self { name: name.into(), fabric_provider: None }
+        Self { name: name.into(), fabric_provider: None, bind_host: None }
     }
 
     /// The transport settings this spec asks for.
     #[must_use]
     pub fn config(&self) -> ductile_transport::TransportConfig {
-        let cfg = ductile_transport::TransportConfig::default();
+        let mut cfg = ductile_transport::TransportConfig::default();
+        if let Some(host) = self.bind_host {
+            cfg = cfg.bind_host(host);
+        }
         match &self.fabric_provider {
             Some(p) => cfg.fabric_provider(p.clone()),
             None => cfg,

@@ -456,11 +456,10 @@ mod tests {
 
     #[test]
     fn the_child_command_is_one_process_per_member_on_a_node_of_its_own() {
-        let what = Launch::new("prog")
-            .args(["a", "b c"])
-            .env("K", "V")
-            .timeout(Duration::from_secs(7))
-            .transport(TransportSpec { name: "fabric".into(), fabric_provider: Some("shm".into()) });
+        let what =
+            Launch::new("prog").args(["a", "b c"]).env("K", "V").timeout(Duration::from_secs(7)).transport(
+                TransportSpec { name: "fabric".into(), fabric_provider: Some("shm".into()), bind_host: None },
+            );
         let cmd = child_command(std::path::Path::new("/bin/ductile"), &what, 3, "/dev/fd/9");
         let args: Vec<_> = cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
         let want = "run --quiet -n 3 --nodes 3 --slots 1 --timeout 7 --report /dev/fd/9 --transport fabric \

@@ -196,3 +196,5 @@ pub fn lines_of(r: impl std::io::Read + Send + 'static) -> std::sync::mpsc::Rece
     });
     rx
 }
+
+pub mod netns;

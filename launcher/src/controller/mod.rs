@@ -4,15 +4,19 @@
 //! first failure, on Ctrl-C/SIGTERM, or at `--timeout`.
 
 mod reconfig;
+pub mod remote;
 pub mod socket;
 
 use crate::layout::Layout;
 use crate::membership::JobState;
 use crate::plan::spawn::{Method, Strategy};
 use crate::policy::{self, Bounds, PolicySpec, ResourceManager};
-use crate::proto::{AgentHandoff, Exit, FromAgent, RankStarted, ToAgent, Token, AGENT_VERSION};
+use crate::proto::{
+    AgentHandoff, ChannelRead, ChannelWrite, Exit, FromAgent, Network, RankStarted, ToAgent, Token, AGENT_VERSION,
+};
 use crate::report::{self, NodeReport, Report};
 use crate::spawn::{signal_group, spawn_with_channel, Input, Output};
+use anyhow::Context as _;
 use ductile::bootstrap::nonblocking;
 use ductile_transport::{EndpointAddr, JobId, JobKey, NodeId, Rank};
 use reconfig::{Deferred, InFlight, Queued};
@@ -20,7 +24,6 @@ use socket::Arrival;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 use tokio::process::Child;
 use tokio::signal::unix::{signal, SignalKind};
@@ -113,15 +116,41 @@ pub struct JobSpec {
     pub adopt: Option<crate::proto::Adopt>,
     /// Do not print the job's id and control socket at start.
     pub quiet: bool,
+    /// Hosts, one per node of the pool; unset: simulated nodes on this host.
+    pub hosts: Option<HostPool>,
+}
+
+/// The hosts of a job that spans hosts.
+#[derive(Clone, Debug)]
+pub struct HostPool {
+    /// Host names, one per node of the pool, in node order.
+    pub names: Vec<String>,
+    /// The remote shell: the words before the host name.
+    pub rsh: Vec<String>,
+}
+
+impl HostPool {
+    /// Whether any host is another than this one (an agent there is started through
+    /// the remote shell).
+    #[must_use]
+    pub fn spans_hosts(&self) -> bool {
+        self.names.iter().any(|h| !crate::hosts::is_local(h))
+    }
 }
 
 /// One node world, from the controller's side.
 struct AgentConn {
     node: NodeId,
     pid: u32,
-    /// Set for agents the controller started itself.
+    /// Set for agents the controller started itself (for an agent on another host,
+    /// the remote shell that started it).
     child: Option<Child>,
-    tx: Option<OwnedWriteHalf>,
+    /// `pid` is on another host: never signalled or reaped here.
+    remote: bool,
+    /// Reads its channel; ends when the channel closes (how the exit of an agent on
+    /// another host is seen).
+    reader: Option<tokio::task::JoinHandle<()>>,
+    tx: Option<ChannelWrite>,
     /// Ranks it started.
     started: Vec<RankStarted>,
     /// Ranks still running.
@@ -178,6 +207,8 @@ pub(crate) struct Ctl {
     job: JobId,
     key: JobKey,
     socket: PathBuf,
+    /// Set when the job spans hosts.
+    network: Option<Network>,
     agents: Vec<AgentConn>,
     /// Agent hosting each endpoint id.
     host: HashMap<Rank, usize>,
@@ -202,18 +233,21 @@ pub(crate) struct Ctl {
     fence_limit: Duration,
 }
 
-/// Reads an agent's messages into the event channel.
-fn watch(events: &mpsc::UnboundedSender<Event>, idx: usize, mut rx: OwnedReadHalf) {
+/// Reads an agent's messages into the event channel; the task ends when the connection
+/// does (after `Done`, when the agent has exited).
+fn watch(events: &mpsc::UnboundedSender<Event>, idx: usize, mut rx: ChannelRead) -> tokio::task::JoinHandle<()> {
     let evs = events.clone();
     tokio::spawn(async move {
         loop {
             match nonblocking::read_msg::<FromAgent>(&mut rx).await {
                 Ok(m) => {
-                    let last = matches!(m, FromAgent::Done);
-                    let _ = evs.send(Event::Msg(idx, m));
-                    if last {
+                    if matches!(m, FromAgent::Done) {
+                        let _ = evs.send(Event::Msg(idx, m));
+                        let mut rest = [0u8; 64];
+                        while matches!(tokio::io::AsyncReadExt::read(&mut rx, &mut rest).await, Ok(n) if n > 0) {}
                         return;
                     }
+                    let _ = evs.send(Event::Msg(idx, m));
                 }
                 Err(e) => {
                     let _ = evs.send(Event::Lost(idx, format!("its agent is gone ({e})")));
@@ -221,7 +255,7 @@ fn watch(events: &mpsc::UnboundedSender<Event>, idx: usize, mut rx: OwnedReadHal
                 }
             }
         }
-    });
+    })
 }
 
 /// The signals that end a job: Ctrl-C, SIGTERM, and SIGHUP (its terminal closed).
@@ -310,6 +344,14 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     let wait_timeout = spec.timeout.map_or(DEFAULT_WAIT_TIMEOUT, |t| t + WAIT_MARGIN).max(fence_limit + WAIT_MARGIN);
     let (ev_tx, mut events) = mpsc::unbounded_channel();
     let (arr_tx, mut arrivals) = mpsc::unbounded_channel();
+    let network = match spec.hosts.as_ref().filter(|p| p.spans_hosts()) {
+        Some(pool) => {
+            let nodes = u32::try_from(pool.names.len())?;
+            let addrs = remote::serve(job, key.clone(), nodes, arr_tx.clone()).await?;
+            Some(remote::network(&pool.rsh, addrs)?)
+        }
+        None => None,
+    };
     let (socket, answering) = socket::serve(job, arr_tx)?;
     let fwd = ev_tx.clone();
     tokio::spawn(async move {
@@ -330,6 +372,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
         job,
         key,
         socket,
+        network,
         agents: Vec::new(),
         host: HashMap::new(),
         state,
@@ -392,24 +435,64 @@ impl Ctl {
             socket: self.socket.to_string_lossy().into_owned(),
             joining: None,
             adopt: None,
+            network: self.network.clone(),
+            remote: false,
         }
+    }
+
+    /// The host of `node` if it is another than this one.
+    fn remote_host(&self, node: NodeId) -> Option<&str> {
+        let name = self.spec.hosts.as_ref()?.names.get(node.0 as usize)?;
+        (self.network.is_some() && !crate::hosts::is_local(name)).then_some(name.as_str())
+    }
+
+    /// The host of `node` as agents on any host name it: this host by its name, not
+    /// as `localhost`.
+    fn host_name(&self, node: NodeId) -> Option<String> {
+        let name = self.spec.hosts.as_ref()?.names.get(node.0 as usize)?;
+        match crate::hosts::is_local(name) {
+            true => crate::netaddr::hostname().ok().or_else(|| Some(name.clone())),
+            false => Some(name.clone()),
+        }
+    }
+
+    /// Names the host of every node world `o` and its subtree start.
+    fn place(&self, o: &mut crate::proto::SpawnOrder) {
+        o.host = self.host_name(o.node);
+        for s in &mut o.spawns {
+            self.place(s);
+        }
+    }
+
+    /// Starts node `node`'s agent: here, with a channel as fd 3, or through the remote
+    /// shell; returns it, its channel, and whether it is remote.
+    fn start_agent(&self, node: NodeId) -> anyhow::Result<(Child, ChannelRead, ChannelWrite, bool)> {
+        if let (Some(host), Some(net)) = (self.remote_host(node), &self.network) {
+            let (child, rx, tx) = crate::spawn::spawn_remote(&net.rsh, host, &net.exe, true)
+                .with_context(|| format!("cannot start the remote shell `{}` for {host}", net.rsh.join(" ")))?;
+            return Ok((child, rx, tx, true));
+        }
+        let exe = std::env::current_exe()?;
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
+        let input = stdin_for(node, self.spec.adopt.is_some());
+        let child =
+            spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, (input, Output::Inherit), true, None)?;
+        drop(theirs);
+        ours.set_nonblocking(true)?;
+        let (rx, tx) = UnixStream::from_std(ours)?.into_split();
+        Ok((child, Box::new(rx), Box::new(tx), false))
     }
 
     /// Starts the agents of the initial layout.
     async fn start(&mut self) -> anyhow::Result<()> {
-        let exe = std::env::current_exe()?;
         for plan in self.spec.layout.nodes.clone() {
-            let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
-            let input = stdin_for(plan.node, self.spec.adopt.is_some());
-            let child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, (input, Output::Inherit), true)?;
-            drop(theirs);
-            ours.set_nonblocking(true)?;
-            let (rx, mut tx) = UnixStream::from_std(ours)?.into_split();
+            let (child, rx, mut tx, remote) = self.start_agent(plan.node)?;
             let mut h = self.handoff(plan.node, plan.rank_ids().collect());
             h.adopt = self.spec.adopt.clone();
-            nonblocking::write_msg(&mut tx, &ToAgent::Handoff(h)).await?;
+            h.remote = remote;
+            nonblocking::write_msg(&mut tx, &ToAgent::Handoff(Box::new(h))).await?;
             let idx = self.agents.len();
-            watch(&self.events, idx, rx);
+            let reader = Some(watch(&self.events, idx, rx));
             for id in plan.rank_ids() {
                 self.host.insert(id, idx);
             }
@@ -417,6 +500,8 @@ impl Ctl {
                 node: plan.node,
                 pid: child.id().unwrap_or(0),
                 child: Some(child),
+                remote: false,
+                reader,
                 tx: Some(tx),
                 started: Vec::new(),
                 live: HashSet::new(),
@@ -581,13 +666,17 @@ impl Ctl {
                     let node = self.agents[a].node;
                     return self.growth_agent_lost(format!("{node}: {why}")).await;
                 }
-                let ag = &self.agents[a];
+                let node = self.agents[a].node;
+                let why = match (self.remote_host(node), &self.network) {
+                    (Some(host), Some(net)) => format!("{why}; it ran on {host}, started by `{}`", net.rsh.join(" ")),
+                    _ => why,
+                };
                 if self.ending.is_none() {
-                    self.ending = Some(Ending::Node(ag.node, why));
+                    self.ending = Some(Ending::Node(node, why));
                 }
             }
-            Event::Arrival(Arrival::Agent { node, token, pid, rx, tx }) => {
-                self.on_hello(node, &token, pid, rx, tx);
+            Event::Arrival(Arrival::Agent { node, token, pid, rx, tx, remote }) => {
+                self.on_hello(node, &token, (pid, remote), rx, tx);
                 // The growth reports and the new agents' hellos travel on different
                 // connections: the last hello may come after the last report.
                 self.after_exit().await;
@@ -635,13 +724,16 @@ impl Ctl {
                 }
             }
             FromAgent::GrowthReport { seq, result } => self.on_growth_report(seq, result).await,
+            FromAgent::Output(stream, bytes) => {
+                let _ = crate::output::write_to(stream, &bytes);
+            }
             FromAgent::Done => {
                 let ag = &mut self.agents[a];
                 ag.done = true;
                 // Its connection closes: one per node world that ever left, otherwise,
                 // kept to the end of the job.
                 ag.tx = None;
-                if ag.child.is_none() {
+                if ag.child.is_none() && !ag.remote {
                     tokio::spawn(reap_orphan(ag.pid, ABORT_GRACE));
                 }
                 self.after_exit().await;
@@ -680,7 +772,7 @@ impl Ctl {
             f.fail("the job ended before the change was done");
         }
         self.reap(ABORT_GRACE).await;
-        for a in &self.agents {
+        for a in self.agents.iter().filter(|a| !a.remote) {
             // Sweep anything a rank left behind in its node's process group.
             signal_group(a.pid, libc::SIGKILL);
         }
@@ -705,7 +797,10 @@ impl Ctl {
         let deadline = tokio::time::Instant::now() + grace;
         for a in &mut self.agents {
             let Some(child) = a.child.as_mut() else {
-                if a.pid != 0 {
+                if let Some(reader) = a.reader.take().filter(|_| a.remote) {
+                    // Its channel closes as it exits.
+                    let _ = tokio::time::timeout_at(deadline, reader).await;
+                } else if a.pid != 0 && !a.remote {
                     let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                     reap_orphan(a.pid, left).await;
                     signal_group(a.pid, libc::SIGKILL);

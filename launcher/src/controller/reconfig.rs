@@ -23,13 +23,12 @@ use crate::membership::GrowOrders;
 use crate::plan::resize::{plan_resize, Resize, Target};
 use crate::plan::shrink::ShrinkPlan;
 use crate::plan::spawn::{plan_expansion, Method, SpawnPlan, Strategy};
-use crate::proto::{NodeStarted, ResizeReply, SpawnOrder, ToAgent, Token};
+use crate::proto::{ChannelRead, ChannelWrite, NodeStarted, ResizeReply, SpawnOrder, ToAgent, Token};
 use crate::report::{Phases, Reconfiguration};
 use ductile::bootstrap::{Change, CheckpointMode, Decision, FromRank, SwitchTimes, ToRank};
 use ductile_transport::{EndpointAddr, NodeId, Rank};
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::mpsc;
 
 /// Time released processes get to leave after the switch before they are ended.
@@ -274,7 +273,10 @@ impl Ctl {
                 }
             }
         }
-        let orders = self.state.grow_orders(&plan, &tokens);
+        let mut orders = self.state.grow_orders(&plan, &tokens);
+        for (_, o) in &mut orders.roots {
+            self.place(o);
+        }
         // One agent entry per new node world; it connects later with its token.
         let epoch = self.state.epoch + 1;
         for (g, node) in orders.group_nodes.iter().enumerate() {
@@ -288,6 +290,8 @@ impl Ctl {
                 node: *node,
                 pid: 0,
                 child: None,
+                remote: false,
+                reader: None,
                 tx: None,
                 started: Vec::new(),
                 live: HashSet::new(),
@@ -320,7 +324,14 @@ impl Ctl {
         }
     }
 
-    pub(super) fn on_hello(&mut self, node: NodeId, token: &Token, pid: u32, rx: OwnedReadHalf, tx: OwnedWriteHalf) {
+    pub(super) fn on_hello(
+        &mut self,
+        node: NodeId,
+        token: &Token,
+        (pid, remote): (u32, bool),
+        rx: ChannelRead,
+        tx: ChannelWrite,
+    ) {
         let found = self.flight.as_ref().and_then(|f| {
             f.tokens.iter().find(|(&a, t)| t.matches(token) && self.agents[a].node == node).map(|(&a, _)| a)
         });
@@ -340,9 +351,11 @@ impl Ctl {
         }
         let ag = &mut self.agents[a];
         ag.pid = pid;
+        ag.remote = remote;
         ag.tx = Some(tx);
         ag.token = None;
-        super::watch(&self.events, a, rx);
+        let reader = super::watch(&self.events, a, rx);
+        self.agents[a].reader = Some(reader);
     }
 
     /// A spawning agent's report on the node worlds of growth `seq`.

@@ -6,15 +6,15 @@
 //! come from the same user (SO_PEERCRED) and open with a [`Hello`]; an agent also
 //! proves who it is with its one-time token.
 
+pub use super::remote::CONTROLLER_RANK;
 use crate::plan::resize::Target;
-use crate::proto::{Hello, ResizeReply, Token};
+use crate::proto::{ChannelRead, ChannelWrite, Hello, ResizeReply, Token};
 use ductile::bootstrap::nonblocking;
 use ductile_transport::{JobId, NodeId};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, Notify};
 
@@ -29,12 +29,14 @@ pub enum Arrival {
         node: NodeId,
         /// Its token.
         token: Token,
-        /// Its pid (from the socket's credentials).
+        /// Its pid (from the socket's credentials; over TCP, as it says).
         pid: u32,
         /// The connection.
-        rx: OwnedReadHalf,
+        rx: ChannelRead,
         /// The connection.
-        tx: OwnedWriteHalf,
+        tx: ChannelWrite,
+        /// It came over TCP, from another host: its pid is not ours to signal.
+        remote: bool,
     },
     /// A resize request; answers go into `reply`.
     Resize {
@@ -226,8 +228,8 @@ async fn greet(s: UnixStream, tx: mpsc::UnboundedSender<Arrival>, answering: Ans
         }
     };
     match hello {
-        Hello::Agent { node, token } => {
-            let _ = tx.send(Arrival::Agent { node, token, pid, rx, tx: wtx });
+        Hello::Agent { node, token, pid: _ } => {
+            let _ = tx.send(Arrival::Agent { node, token, pid, rx: Box::new(rx), tx: Box::new(wtx), remote: false });
         }
         Hello::Resize(target) => {
             let _answer = answering.start();

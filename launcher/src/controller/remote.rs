@@ -1,0 +1,143 @@
+//! Jobs that span hosts: the controller's TCP listener, which agents started on other
+//! hosts by a resize connect to (authenticated with the job key, then named by their
+//! one-time token as on the Unix socket), and what every agent of such a job is told
+//! about the network ([`Network`]).
+
+use super::socket::Arrival;
+use crate::proto::{Hello, Network};
+use ductile::bootstrap::nonblocking;
+use ductile_transport::{auth, JobId, JobKey, NodeId, Rank};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+/// The controller's rank in the handshake with agents (which claim their node's number).
+pub const CONTROLLER_RANK: Rank = Rank(u32::MAX);
+/// Time a TCP connection has to authenticate and say hello.
+const GREET_TIMEOUT: Duration = Duration::from_secs(10);
+/// The remote shell when neither `--rsh` nor this variable names one.
+pub const RSH_ENV: &str = "DUCTILE_RSH";
+/// The default remote shell: never asks for a password, which nobody could type.
+pub const DEFAULT_RSH: &str = "ssh -o BatchMode=yes";
+
+/// Variables of `ductile run`'s environment not given to ranks on other hosts: they
+/// describe this host, this login or this terminal (`srun` leaves out the same kind).
+const HOST_ONLY: [&str; 9] = ["HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "DISPLAY", "XAUTHORITY", "TERM", "TMPDIR"];
+
+/// Which variables of `ductile run`'s environment ranks on other hosts get.
+fn forwarded(name: &str) -> bool {
+    !HOST_ONLY.contains(&name)
+        && !name.starts_with("SSH_")
+        && !name.starts_with("DUCTILE_CONTROL")
+        && name != super::TEST_KEY_ENV
+}
+
+/// A path the remote shell passes through the other host's shell as it is: no
+/// quoting is needed.
+fn shell_safe(path: &str) -> bool {
+    !path.is_empty() && path.bytes().all(|b| b.is_ascii_alphanumeric() || b"/._-+,:@%".contains(&b))
+}
+
+/// Listens on every address of this host for agents on other hosts; returns the
+/// addresses they may reach it at (this host's interfaces, loopback left out).
+///
+/// # Errors
+/// No address to offer, or the listener cannot be bound.
+pub async fn serve(
+    job: JobId,
+    key: JobKey,
+    nodes: u32,
+    tx: mpsc::UnboundedSender<Arrival>,
+) -> anyhow::Result<Vec<SocketAddr>> {
+    let ips = crate::netaddr::local_addrs()?;
+    anyhow::ensure!(!ips.is_empty(), "this host has no network address (other than loopback) for other hosts to reach");
+    let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
+    let port = listener.local_addr()?.port();
+    let me = auth::Identity { job, key, rank: CONTROLLER_RANK };
+    tokio::spawn(async move {
+        loop {
+            match listener.accept().await {
+                Ok((s, from)) => {
+                    let (me, tx) = (me.clone(), tx.clone());
+                    tokio::spawn(async move {
+                        if let Err(e) = greet(s, &me, nodes, tx).await {
+                            tracing::warn!("control listener: refused {from}: {e:#}");
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!("control listener: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+    });
+    Ok(ips.into_iter().filter(|ip| ip.is_ipv4()).map(|ip| SocketAddr::new(ip, port)).collect())
+}
+
+/// Authenticates a TCP connection (the peer claims a node of the pool and must prove
+/// the job key) and reads its hello: only an agent's is accepted over TCP.
+async fn greet(
+    mut s: TcpStream,
+    me: &auth::Identity,
+    nodes: u32,
+    tx: mpsc::UnboundedSender<Arrival>,
+) -> anyhow::Result<()> {
+    s.set_nodelay(true)?;
+    let node = auth::accept(&mut s, me, |r| r.0 < nodes, GREET_TIMEOUT).await?;
+    let hello = tokio::time::timeout(GREET_TIMEOUT, nonblocking::read_msg::<Hello>(&mut s)).await??;
+    match hello {
+        Hello::Agent { node: claimed, token, pid } if claimed == NodeId(node.0) => {
+            let (rx, tx_half) = s.into_split();
+            let _ = tx.send(Arrival::Agent {
+                node: claimed,
+                token,
+                pid,
+                rx: Box::new(rx),
+                tx: Box::new(tx_half),
+                remote: true,
+            });
+            Ok(())
+        }
+        Hello::Agent { node: claimed, .. } => anyhow::bail!("authenticated as node {} but claims {claimed}", node.0),
+        other => anyhow::bail!("{other:?} is only taken on the control socket"),
+    }
+}
+
+/// What the agents of a job on `pool` need to know, with the controller reachable at
+/// `controller`.
+///
+/// # Errors
+/// The launcher's own path cannot be passed through a remote shell.
+pub fn network(rsh: &[String], controller: Vec<SocketAddr>) -> anyhow::Result<Network> {
+    let exe = std::env::current_exe()?.to_string_lossy().into_owned();
+    anyhow::ensure!(shell_safe(&exe), "the launcher's path {exe:?} cannot be passed through a remote shell unquoted");
+    let cwd = std::env::current_dir().map(|d| d.to_string_lossy().into_owned()).unwrap_or_default();
+    let env = std::env::vars().filter(|(k, _)| forwarded(k)).collect();
+    Ok(Network { controller, rsh: rsh.to_vec(), exe, env, cwd })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_only_variables_stay_here() {
+        for v in ["HOSTNAME", "SSH_AUTH_SOCK", "DUCTILE_CONTROL_FD", "DISPLAY", super::super::TEST_KEY_ENV] {
+            assert!(!forwarded(v), "{v}");
+        }
+        for v in ["PATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "DUCTILE_LOG", "HOME"] {
+            assert!(forwarded(v), "{v}");
+        }
+    }
+
+    #[test]
+    fn only_plain_paths_go_through_a_remote_shell() {
+        assert!(shell_safe("/usr/local/bin/ductile"));
+        assert!(shell_safe("/work/target/release/ductile-1.0_x"));
+        for bad in ["", "/a b/ductile", "/x;rm", "/x$(y)", "/x`y`", "/x'y", "/x\"y", "/x\\y", "/x\ny", "/x*"] {
+            assert!(!shell_safe(bad), "{bad:?}");
+        }
+    }
+}

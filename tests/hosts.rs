@@ -1,0 +1,179 @@
+//! Jobs that span hosts (`ductile run --hosts/--hostfile`), on test hosts in network
+//! namespaces that each test creates (see `common::netns`): the launcher runs in a head
+//! namespace and starts its agents in the host namespaces through `--rsh "ip netns
+//! exec"`, so every connection between hosts crosses a real (virtual) network, and
+//! nothing reaches another address. Without root or iproute2 the tests say SKIPPED
+//! and pass; CI runs as root and installs iproute2 (scripts/test.sh).
+
+mod common;
+
+use common::netns::TestHosts;
+use common::{ex, lines_of, tmp, wait_with_timeout};
+use ductile_suite::paths::ductile_bin;
+use std::os::unix::fs::MetadataExt;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The remote shell of every test: enter the host's namespace.
+const RSH: &str = "ip netns exec";
+/// Limit of every job (`--timeout`), so that no test can hang.
+const JOB_LIMIT: &str = "60";
+
+fn hosts(n: usize) -> Option<TestHosts> {
+    TestHosts::create(n).unwrap_or_else(|e| panic!("cannot create test hosts: {e}"))
+}
+
+/// `ductile run --rsh RSH --timeout JOB_LIMIT ARGS` in the head namespace.
+fn run_cmd(t: &TestHosts, args: &[&str]) -> Command {
+    let mut c = t.in_head(&ductile_bin());
+    c.args(["run", "--rsh", RSH, "--timeout", JOB_LIMIT]).args(args).env_remove("DUCTILE_LOG");
+    c
+}
+
+fn run(t: &TestHosts, args: &[&str]) -> Output {
+    run_cmd(t, args).output().expect("start ductile run in the head namespace")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The inode of host `name`'s network namespace, as `/proc/PID/ns/net` shows it.
+fn netns_inode(name: &str) -> u64 {
+    std::fs::metadata(format!("/run/netns/{name}")).expect("the namespace's file").ino()
+}
+
+/// Waits (a few seconds at most) until no process is left in the test's namespaces.
+fn assert_namespaces_empty(t: &TestHosts) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !t.pids().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(t.pids().is_empty(), "processes left in the test hosts: {:?}", t.pids());
+}
+
+#[test]
+fn hello_runs_on_each_host_with_the_launchers_environment_over_tcp_and_quic() {
+    let Some(t) = hosts(2) else { return };
+    let hosts = t.hosts();
+    let list = format!("{}:2,{}:2", hosts[0], hosts[1]);
+    let dir = tmp("hosts-cwd");
+    std::fs::create_dir_all(&dir).unwrap();
+    for transport in ["tcp", "quic"] {
+        let value = format!("set-for-{transport}");
+        let out = run_cmd(&t, &["--hosts", &list, "--transport", transport, &ex("hello"), "--env", "HOSTS_TEST_VAR"])
+            .env("HOSTS_TEST_VAR", &value)
+            .current_dir(&*dir)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert_eq!(out.status.code(), Some(0), "{transport}: {stdout}\n{stderr}");
+        for r in 0..4 {
+            assert!(stdout.contains(&format!("hello from rank {r} of 4 on node {} of 2", r / 2)), "{stdout}");
+            // Ranks on other hosts get the launcher's environment and directory; their
+            // stderr stays stderr.
+            let host = &hosts[r / 2];
+            let want =
+                format!("rank {r}: HOSTS_TEST_VAR={value} in {}, network net:[{}]", dir.display(), netns_inode(host));
+            assert!(stderr.contains(&want), "{transport}: no `{want}` in\n{stderr}");
+        }
+        assert!(!stdout.contains("HOSTS_TEST_VAR"), "stderr lines reached stdout:\n{stdout}");
+    }
+    assert_namespaces_empty(&t);
+}
+
+/// The checksum of a fixed-size run of the same problem on this host.
+fn rigid_checksum(jacobi: &[&str]) -> String {
+    let out = common::run(&[&["run", "-n", "2", "--timeout", JOB_LIMIT, "--"], jacobi].concat());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    checksum(&text(&out.stdout))
+}
+
+fn checksum(stdout: &str) -> String {
+    let line = stdout.lines().find(|l| l.contains("checksum")).unwrap_or_else(|| panic!("no checksum in {stdout}"));
+    line.split("checksum ").nth(1).and_then(|r| r.split_whitespace().next()).unwrap().to_string()
+}
+
+#[test]
+fn jacobi_grows_and_shrinks_across_hosts_from_a_hostfile() {
+    let Some(t) = hosts(3) else { return };
+    let h = t.hosts();
+    let file = tmp("hostfile");
+    // A PBS-style repeat (two lines, two slots), `slots=`, and `name:N`.
+    std::fs::write(&*file, format!("# test hosts\n{0}\n{0}\n{1} slots=2  # the second\n{2}:2\n", h[0], h[1], h[2]))
+        .unwrap();
+    let jacobi = ex("jacobi");
+    let problem = [jacobi.as_str(), "--points", "300000", "--iters", "120", "--every", "20"];
+    let report = tmp("hosts-report.json");
+    let f = file.display().to_string();
+    let r = report.display().to_string();
+    let args =
+        [&["--hostfile", &f, "--nodes", "1", "--policy", "steps:3,1,2", "--report", &r, "--"][..], &problem].concat();
+    let out = run(&t, &args);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert_eq!(checksum(&stdout), rigid_checksum(&problem), "{stdout}");
+    let rep = common::read_report(&report);
+    assert_eq!(rep["reconfigurations"].as_array().unwrap().len(), 3, "{stderr}");
+    // 1 -> 3 -> 1 -> 2 nodes: the growths started node worlds on two other hosts.
+    let joined: Vec<&str> = stderr.lines().filter_map(|l| l.split_whitespace().last()).collect();
+    assert!(["+1-2", "-1-2", "+1"].iter().all(|c| joined.contains(c)), "{stderr}");
+    assert_namespaces_empty(&t);
+}
+
+#[test]
+fn an_unreachable_host_is_a_clear_error_and_leaves_nothing() {
+    let Some(t) = hosts(1) else { return };
+    let list = format!("{},no-such-host", t.hosts()[0]);
+    let started = Instant::now();
+    let out = run(&t, &["--hosts", &list, &ex("hello")]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
+    assert!(stderr.contains("node 1 failed") && stderr.contains("it ran on no-such-host"), "{stderr}");
+    assert_namespaces_empty(&t);
+}
+
+#[test]
+fn ctrl_c_in_the_middle_of_resizes_across_hosts_leaves_nothing() {
+    let Some(t) = hosts(2) else { return };
+    let list = format!("{}:2,{}:2", t.hosts()[0], t.hosts()[1]);
+    let steps = ["steps", &"1,2,".repeat(40)].concat();
+    let steps = steps.trim_end_matches(',').replacen("steps", "steps:", 1);
+    let jacobi = ex("jacobi");
+    let mut child = run_cmd(
+        &t,
+        &[
+            "--hosts",
+            &list,
+            "--nodes",
+            "1",
+            "--policy",
+            &steps,
+            "--",
+            &jacobi,
+            "--points",
+            "100000",
+            "--iters",
+            "100000000",
+            "--every",
+            "3",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    let lines = lines_of(child.stdout.take().unwrap());
+    // A few changes have been made: growths across hosts are under way or done.
+    for _ in 0..4 {
+        let l = lines.recv_timeout(Duration::from_secs(30)).expect("the job resizes");
+        assert!(l.contains("processes on"), "{l}");
+    }
+    // `ip netns exec` execs the launcher: the child is `ductile run` itself.
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let status = wait_with_timeout(&mut child, Duration::from_secs(30));
+    assert_eq!(status.code(), Some(130));
+    assert_namespaces_empty(&t);
+}
