@@ -1,7 +1,7 @@
 //! Jobs that span hosts (`ductile run --hosts/--hostfile`), on test hosts in network
 //! namespaces that each test creates (see `common::netns`): the launcher runs in a head
-//! namespace and starts its agents in the host namespaces through `--rsh "ip netns
-//! exec"`, so every connection between hosts crosses a real (virtual) network, and
+//! namespace and starts its agents in the host namespaces through `--rsh "env -i -C /
+//! ip netns exec"`, so every connection between hosts crosses a real (virtual) network, and
 //! nothing reaches another address. Without root or iproute2 the tests say SKIPPED
 //! and pass; CI runs as root and installs iproute2 (scripts/test.sh).
 
@@ -14,8 +14,12 @@ use std::os::unix::fs::MetadataExt;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// The remote shell of every test: enter the host's namespace.
-const RSH: &str = "ip netns exec";
+/// The remote shell of every test: enter the host's namespace, with an empty
+/// environment and in `/`, as a login over ssh would not have `ductile run`'s.
+fn rsh() -> String {
+    let ip = ["/usr/sbin/ip", "/sbin/ip"].into_iter().find(|p| std::path::Path::new(p).exists()).unwrap_or("ip");
+    format!("env -i -C / {ip} netns exec")
+}
 /// Limit of every job (`--timeout`), so that no test can hang.
 const JOB_LIMIT: &str = "60";
 
@@ -23,10 +27,10 @@ fn hosts(n: usize) -> Option<TestHosts> {
     TestHosts::create(n).unwrap_or_else(|e| panic!("cannot create test hosts: {e}"))
 }
 
-/// `ductile run --rsh RSH --timeout JOB_LIMIT ARGS` in the head namespace.
+/// `ductile run --rsh (rsh) --timeout JOB_LIMIT ARGS` in the head namespace.
 fn run_cmd(t: &TestHosts, args: &[&str]) -> Command {
     let mut c = t.in_head(&ductile_bin());
-    c.args(["run", "--rsh", RSH, "--timeout", JOB_LIMIT]).args(args).env_remove("DUCTILE_LOG");
+    c.args(["run", "--rsh", &rsh(), "--timeout", JOB_LIMIT]).args(args).env_remove("DUCTILE_LOG");
     c
 }
 

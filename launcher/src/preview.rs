@@ -15,16 +15,28 @@ use std::fmt::Write as _;
 /// The node map and the planned changes.
 #[must_use]
 pub fn preview(spec: &JobSpec) -> String {
+    let host = |i: usize| spec.hosts.as_ref().and_then(|h| h.names.get(i)).map(|h| format!(" ({h})"));
     let mut s = format!(
-        "{} ranks on {} simulated nodes (pool of {}); program {}\n",
+        "{} ranks on {} {} (pool of {}); program {}\n",
         spec.layout.size(),
         spec.layout.nodes.len(),
+        match (spec.hosts.is_some(), spec.layout.nodes.len() == 1) {
+            (true, true) => "host",
+            (true, false) => "hosts",
+            (false, true) => "simulated node",
+            (false, false) => "simulated nodes",
+        },
         spec.slots.len(),
         spec.program.display()
     );
     for n in &spec.layout.nodes {
         let last = n.ranks.end.saturating_sub(1);
-        let _ = writeln!(s, "  {}: {} slots, ranks {}..={}", n.node, n.slots, n.ranks.start, last);
+        let on = host(n.node.0 as usize).unwrap_or_default();
+        let _ = writeln!(s, "  {}{on}: {} slots, ranks {}..={}", n.node, n.slots, n.ranks.start, last);
+    }
+    if let Some(pool) = spec.hosts.as_ref().filter(|_| spec.slots.len() > spec.layout.nodes.len()) {
+        let rest = &pool.names[spec.layout.nodes.len()..spec.slots.len().min(pool.names.len())];
+        let _ = writeln!(s, "  hosts the job may grow onto: {}", rest.join(", "));
     }
     // The change points a schedule that ends can use.
     let points = match &spec.policy {

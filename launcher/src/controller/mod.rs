@@ -863,7 +863,8 @@ impl Ctl {
             if a.started.is_empty() {
                 parts.push("starting".into());
             }
-            s.push_str(&format!("\n  {} (agent pid {}): {}", a.node, a.pid, parts.join(", ")));
+            let on = self.host_name(a.node).map(|h| format!(" on {h}")).unwrap_or_default();
+            s.push_str(&format!("\n  {}{on} (agent pid {}): {}", a.node, a.pid, parts.join(", ")));
         }
         s.push('\n');
         s

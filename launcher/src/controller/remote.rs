@@ -9,7 +9,8 @@ use ductile::bootstrap::nonblocking;
 use ductile_transport::{auth, JobId, JobKey, NodeId, Rank};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 /// The controller's rank in the handshake with agents (which claim their node's number).
@@ -61,6 +62,7 @@ pub async fn serve(
                 Ok((s, from)) => {
                     let (me, tx) = (me.clone(), tx.clone());
                     tokio::spawn(async move {
+                        let _ = s.set_nodelay(true);
                         if let Err(e) = greet(s, &me, nodes, tx).await {
                             tracing::warn!("control listener: refused {from}: {e:#}");
                         }
@@ -78,26 +80,17 @@ pub async fn serve(
 
 /// Authenticates a TCP connection (the peer claims a node of the pool and must prove
 /// the job key) and reads its hello: only an agent's is accepted over TCP.
-async fn greet(
-    mut s: TcpStream,
-    me: &auth::Identity,
-    nodes: u32,
-    tx: mpsc::UnboundedSender<Arrival>,
-) -> anyhow::Result<()> {
-    s.set_nodelay(true)?;
+async fn greet<S>(mut s: S, me: &auth::Identity, nodes: u32, tx: mpsc::UnboundedSender<Arrival>) -> anyhow::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
     let node = auth::accept(&mut s, me, |r| r.0 < nodes, GREET_TIMEOUT).await?;
     let hello = tokio::time::timeout(GREET_TIMEOUT, nonblocking::read_msg::<Hello>(&mut s)).await??;
     match hello {
         Hello::Agent { node: claimed, token, pid } if claimed == NodeId(node.0) => {
-            let (rx, tx_half) = s.into_split();
-            let _ = tx.send(Arrival::Agent {
-                node: claimed,
-                token,
-                pid,
-                rx: Box::new(rx),
-                tx: Box::new(tx_half),
-                remote: true,
-            });
+            let (rx, w) = tokio::io::split(s);
+            let arrival = Arrival::Agent { node: claimed, token, pid, rx: Box::new(rx), tx: Box::new(w), remote: true };
+            let _ = tx.send(arrival);
             Ok(())
         }
         Hello::Agent { node: claimed, .. } => anyhow::bail!("authenticated as node {} but claims {claimed}", node.0),
@@ -121,6 +114,49 @@ pub fn network(rsh: &[String], controller: Vec<SocketAddr>) -> anyhow::Result<Ne
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proto::Token;
+
+    fn ident(rank: Rank, key: u8) -> auth::Identity {
+        auth::Identity { job: JobId(7), key: JobKey::from_bytes([key; 32]), rank }
+    }
+
+    /// An agent of node `node` holding key `key` says `hello` to a controller of a
+    /// pool of 2 nodes; returns what the controller made of it and what arrived.
+    async fn greeted(node: u32, key: u8, hello: Hello) -> (anyhow::Result<()>, Option<Arrival>) {
+        let (mut agent, controller) = tokio::io::duplex(4096);
+        let (tx, mut arrivals) = mpsc::unbounded_channel();
+        let serve = tokio::spawn(async move { greet(controller, &ident(CONTROLLER_RANK, 1), 2, tx).await });
+        let me = ident(Rank(node), key);
+        if auth::dial(&mut agent, &me, CONTROLLER_RANK, Duration::from_secs(5)).await.is_ok() {
+            nonblocking::write_msg(&mut agent, &hello).await.unwrap();
+        }
+        drop(agent);
+        let result = serve.await.unwrap();
+        (result, arrivals.try_recv().ok())
+    }
+
+    #[tokio::test]
+    async fn only_an_agent_with_the_key_and_its_own_node_arrives() {
+        let agent = |node| Hello::Agent { node: NodeId(node), token: Token([3; 32]), pid: 42 };
+        match greeted(1, 1, agent(1)).await {
+            (Ok(()), Some(Arrival::Agent { node, pid, remote, .. })) => {
+                assert_eq!((node, pid, remote), (NodeId(1), 42, true));
+            }
+            (r, _) => panic!("refused: {r:?}"),
+        }
+        let refused = [
+            // The agent sees the controller's proof fail first, and hangs up.
+            (greeted(1, 2, agent(1)).await, "eof"),
+            (greeted(1, 1, agent(0)).await, "claims node 0"),
+            (greeted(2, 1, agent(2)).await, "not a member"),
+            (greeted(1, 1, Hello::Status).await, "only taken on the control socket"),
+        ];
+        for ((result, arrival), why) in refused {
+            let e = format!("{:#}", result.expect_err(why));
+            assert!(arrival.is_none(), "{why}: something arrived");
+            assert!(e.contains(why), "{why}: {e}");
+        }
+    }
 
     #[test]
     fn host_only_variables_stay_here() {
