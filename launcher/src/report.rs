@@ -10,7 +10,10 @@ use std::path::Path;
 pub struct NodeReport {
     /// Node id.
     pub node: u32,
-    /// Its agent's pid.
+    /// Its host, for a job on `--hosts`/`--hostfile` (the ranks' pids are that host's).
+    pub host: Option<String>,
+    /// Its agent's pid (of an agent on another host started with the job: the remote
+    /// shell's, on this host).
     pub agent_pid: u32,
     /// Endpoint ids of the ranks it ran.
     pub ranks: Vec<u32>,

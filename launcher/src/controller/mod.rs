@@ -456,6 +456,19 @@ impl Ctl {
         }
     }
 
+    /// `e` for the user: the node named with its host, on a job on hosts.
+    fn explain(&self, e: &Ending) -> String {
+        let text = e.describe();
+        let node = match e {
+            Ending::Rank(_, n, _) | Ending::Node(n, _) => *n,
+            _ => return text,
+        };
+        match self.host_name(node) {
+            Some(h) => text.replacen(&node.to_string(), &format!("{node} ({h})"), 1),
+            None => text,
+        }
+    }
+
     /// Names the host of every node world `o` and its subtree start.
     fn place(&self, o: &mut crate::proto::SpawnOrder) {
         o.host = self.host_name(o.node);
@@ -668,7 +681,7 @@ impl Ctl {
                 }
                 let node = self.agents[a].node;
                 let why = match (self.remote_host(node), &self.network) {
-                    (Some(host), Some(net)) => format!("{why}; it ran on {host}, started by `{}`", net.rsh.join(" ")),
+                    (Some(_), Some(net)) => format!("{why}; it was started by `{}`", net.rsh.join(" ")),
                     _ => why,
                 };
                 if self.ending.is_none() {
@@ -750,9 +763,9 @@ impl Ctl {
         }
         let code = match &self.ending {
             Some(e) => {
-                crate::say_errln!("ductile: {}", e.describe());
+                crate::say_errln!("ductile: {}", self.explain(e));
                 if let Some(f) = self.flight.take() {
-                    f.fail(&e.describe());
+                    f.fail(&self.explain(e));
                 }
                 for a in 0..self.agents.len() {
                     if !self.agents[a].done {
@@ -885,6 +898,7 @@ impl Ctl {
                 .iter()
                 .map(|a| NodeReport {
                     node: a.node.0,
+                    host: self.host_name(a.node),
                     agent_pid: a.pid,
                     ranks: a.started.iter().map(|r| r.id.0).collect(),
                     pids: a.started.iter().map(|r| r.pid).collect(),
