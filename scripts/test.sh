@@ -14,7 +14,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(libfabric-dev libclang-dev libfabric-bin pkg-config iproute2)
+# iproute2 makes the test hosts (network namespaces) of tests/hosts.rs, and
+# openssh-server/-client run jobs across them over real ssh.
+PACKAGES=(libfabric-dev libclang-dev libfabric-bin pkg-config iproute2 openssh-server openssh-client)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -25,8 +27,24 @@ if [ ${#missing[@]} -gt 0 ]; then
         exit 1
     fi
     echo "== installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    # Installing openssh-server must not start an sshd on this machine: the tests
+    # start their own, inside their test hosts. Debian's policy-rc.d hook says so for
+    # the time of the install, unless the machine already has one.
+    own_policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+        chmod 755 /usr/sbin/policy-rc.d
+        own_policy=1
+    fi
+    installed=1
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null || installed=""
+    if [ -n "$own_policy" ]; then
+        rm -f /usr/sbin/policy-rc.d
+    fi
+    if [ -z "$installed" ]; then
+        echo "== ERROR: installing ${missing[*]} failed" >&2
+        exit 1
+    fi
 fi
 
 # The transports beyond tcp, for every package that binds or names them.

@@ -185,3 +185,135 @@ fn ctrl_c_in_the_middle_of_resizes_across_hosts_leaves_nothing() {
     assert_eq!(status.code(), Some(130));
     assert_namespaces_empty(&t);
 }
+
+/// sshd daemons, one in each test host, that accept one key for this user; killed on
+/// drop (the test hosts' own drop would too).
+struct Sshd {
+    dir: common::Scratch,
+    daemons: Vec<std::process::Child>,
+}
+
+impl Drop for Sshd {
+    fn drop(&mut self) {
+        for d in &mut self.daemons {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+    }
+}
+
+impl Sshd {
+    /// Starts sshd on every host of `t`, or says SKIPPED when sshd is not installed.
+    fn start(t: &TestHosts) -> Option<Sshd> {
+        let sshd = std::path::Path::new("/usr/sbin/sshd");
+        if !sshd.exists() {
+            eprintln!("SKIPPED: /usr/sbin/sshd (Debian's openssh-server) is not installed");
+            return None;
+        }
+        let dir = tmp("sshd");
+        std::fs::create_dir_all(&*dir).unwrap();
+        for key in ["host_key", "id"] {
+            let path = dir.join(key);
+            let ok = Command::new("ssh-keygen").args(["-q", "-t", "ed25519", "-N", "", "-f"]).arg(&path).status();
+            assert!(ok.unwrap().success(), "ssh-keygen");
+        }
+        std::fs::copy(dir.join("id.pub"), dir.join("authorized_keys")).unwrap();
+        // sshd's privilege separation needs its directory (the package's service makes it).
+        std::fs::create_dir_all("/run/sshd").unwrap();
+        let mut out = Sshd { daemons: Vec::new(), dir };
+        for i in 0..t.hosts().len() {
+            let config = out.dir.join(format!("sshd_config_{i}"));
+            let d = out.dir.display();
+            std::fs::write(
+                &config,
+                format!(
+                    "ListenAddress {}\nHostKey {d}/host_key\nAuthorizedKeysFile {d}/authorized_keys\nStrictModes no\n\
+                     PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nPermitRootLogin \
+                     prohibit-password\nPidFile none\n",
+                    t.host_addr(i)
+                ),
+            )
+            .unwrap();
+            let daemon = t.in_host(i, sshd).args(["-D", "-e", "-f"]).arg(&config).stderr(Stdio::null()).spawn();
+            out.daemons.push(daemon.expect("start sshd"));
+        }
+        Some(out)
+    }
+
+    /// The remote shell: ssh with this key, never asking anything.
+    fn rsh(&self) -> String {
+        format!(
+            "ssh -F /dev/null -i {} -o BatchMode=yes -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null \
+             -o LogLevel=ERROR",
+            self.dir.join("id").display()
+        )
+    }
+
+    /// Waits (10 s at most) until every host's sshd lets the head in.
+    fn await_ready(&self, t: &TestHosts) {
+        let rsh = self.rsh();
+        for i in 0..t.hosts().len() {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let words: Vec<&str> = rsh.split_whitespace().collect();
+                let mut c = t.in_head(std::path::Path::new(words[0]));
+                let ok = c.args(&words[1..]).arg(t.host_addr(i).to_string()).arg("true").output().unwrap();
+                if ok.status.success() {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "sshd on host {i} did not let us in: {}", text(&ok.stderr));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+/// Job processes (not sshd's) left in the test hosts, after a few seconds at most.
+fn job_processes_left(t: &TestHosts) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left: Vec<String> = t
+            .pids()
+            .into_iter()
+            .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/cmdline")).ok())
+            .map(|c| c.replace('\0', " "))
+            .filter(|c| !c.is_empty() && !c.starts_with("sshd") && !c.starts_with("/usr/sbin/sshd"))
+            .collect();
+        if left.is_empty() || Instant::now() > deadline {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn jobs_start_and_grow_over_ssh() {
+    let Some(t) = hosts(2) else { return };
+    let Some(sshd) = Sshd::start(&t) else { return };
+    sshd.await_ready(&t);
+    let list = format!("{}:2,{}:2", t.host_addr(0), t.host_addr(1));
+    let rsh = sshd.rsh();
+    let dir = tmp("ssh-cwd");
+    std::fs::create_dir_all(&*dir).unwrap();
+    let mut c = t.in_head(&ductile_bin());
+    c.args(["run", "--rsh", &rsh, "--timeout", JOB_LIMIT, "--hosts", &list, &ex("hello"), "--env", "OVER_SSH_VAR"]);
+    let out = c.env("OVER_SSH_VAR", "over-ssh").current_dir(&*dir).output().unwrap();
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    for r in 0..4 {
+        let host = &t.hosts()[r / 2];
+        let want = format!("rank {r}: OVER_SSH_VAR=over-ssh in {}, network net:[{}]", dir.display(), netns_inode(host));
+        assert!(stderr.contains(&want), "no `{want}` in\n{stderr}");
+    }
+    // A growth: the agent on the first host starts the second one's over ssh.
+    let jacobi = ex("jacobi");
+    let problem = [jacobi.as_str(), "--points", "200000", "--iters", "80", "--every", "20"];
+    let mut c = t.in_head(&ductile_bin());
+    c.args(["run", "--rsh", &rsh, "--timeout", JOB_LIMIT, "--hosts", &list, "--nodes", "1", "--policy", "steps:2,1,2"]);
+    let out = c.arg("--").args(problem).output().unwrap();
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert_eq!(checksum(&stdout), rigid_checksum(&problem), "{stdout}");
+    assert!(stderr.lines().filter(|l| l.ends_with(" +1")).count() == 2, "{stderr}");
+    assert_eq!(job_processes_left(&t), Vec::<String>::new());
+}

@@ -114,6 +114,13 @@ impl TestHosts {
         c
     }
 
+    /// A `Command` that runs `program` (add its arguments) inside host `i`'s namespace.
+    pub fn in_host(&self, i: usize, program: &Path) -> Command {
+        let mut c = Command::new(&self.ip);
+        c.args(["netns", "exec", &self.hosts[i]]).arg(program);
+        c
+    }
+
     /// Pids of every process now inside any of the namespaces (`ip netns pids NAME`).
     pub fn pids(&self) -> Vec<u32> {
         let mut pids: Vec<u32> = self.created.iter().flat_map(|ns| ns_pids(&self.ip, ns)).collect();
