@@ -142,47 +142,33 @@ fn an_unreachable_host_is_a_clear_error_and_leaves_nothing() {
     assert_namespaces_empty(&t);
 }
 
-#[test]
-fn ctrl_c_in_the_middle_of_resizes_across_hosts_leaves_nothing() {
-    let Some(t) = hosts(2) else { return };
-    let list = format!("{}:2,{}:2", t.hosts()[0], t.hosts()[1]);
-    let steps = ["steps", &"1,2,".repeat(40)].concat();
-    let steps = steps.trim_end_matches(',').replacen("steps", "steps:", 1);
+/// Runs a jacobi that resizes between 1 and 2 of `list`'s hosts every 3 iterations
+/// through remote shell `rsh`, presses Ctrl-C once it has resized a few times, and
+/// checks that the launcher ends with 130.
+fn interrupt_resizes(t: &TestHosts, rsh: &str, list: &str) {
+    let steps = format!("steps:{}", ["1"; 40].join(",2,"));
     let jacobi = ex("jacobi");
-    let mut child = run_cmd(
-        &t,
-        &[
-            "--hosts",
-            &list,
-            "--nodes",
-            "1",
-            "--policy",
-            &steps,
-            "--",
-            &jacobi,
-            "--points",
-            "100000",
-            "--iters",
-            "100000000",
-            "--every",
-            "3",
-        ],
-    )
-    .stdout(Stdio::piped())
-    .stderr(Stdio::null())
-    .spawn()
-    .unwrap();
-    let lines = lines_of(child.stdout.take().unwrap());
+    let mut c = t.in_head(&ductile_bin());
+    c.args(["run", "--rsh", rsh, "--timeout", JOB_LIMIT, "--hosts", list, "--nodes", "1", "--policy", &steps, "--"]);
+    c.args([&jacobi, "--points", "100000", "--iters", "100000000", "--every", "3"]);
+    let mut child = common::Running(c.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap());
+    let lines = lines_of(child.0.stdout.take().unwrap());
     // A few changes have been made: growths across hosts are under way or done.
     for _ in 0..4 {
         let l = lines.recv_timeout(Duration::from_secs(30)).expect("the job resizes");
         assert!(l.contains("processes on"), "{l}");
     }
     // `ip netns exec` execs the launcher: the child is `ductile run` itself.
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.0.id()).unwrap());
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
-    let status = wait_with_timeout(&mut child, Duration::from_secs(30));
+    let status = wait_with_timeout(&mut child.0, Duration::from_secs(30));
     assert_eq!(status.code(), Some(130));
+}
+
+#[test]
+fn ctrl_c_in_the_middle_of_resizes_across_hosts_leaves_nothing() {
+    let Some(t) = hosts(2) else { return };
+    interrupt_resizes(&t, &rsh(), &format!("{}:2,{}:2", t.hosts()[0], t.hosts()[1]));
     assert_namespaces_empty(&t);
 }
 
@@ -315,5 +301,8 @@ fn jobs_start_and_grow_over_ssh() {
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
     assert_eq!(checksum(&stdout), rigid_checksum(&problem), "{stdout}");
     assert!(stderr.lines().filter(|l| l.ends_with(" +1")).count() == 2, "{stderr}");
+    assert_eq!(job_processes_left(&t), Vec::<String>::new());
+    // Ctrl-C: the agents on the hosts, children of their sshd, see their channels end.
+    interrupt_resizes(&t, &rsh, &list);
     assert_eq!(job_processes_left(&t), Vec::<String>::new());
 }
