@@ -16,6 +16,9 @@
 //! can take long (loading Debian's libfabric takes 0.25 s, see docs/BENCHMARKS.md), and
 //! waiting for it before each step paid it once per step of the tree.
 
+mod channel;
+mod grow;
+
 use crate::output::{forward, Sink, Stream};
 use crate::proto::AGENT_VERSION;
 use crate::proto::{
@@ -24,8 +27,11 @@ use crate::proto::{
 };
 use crate::spawn::{signal_pid, spawn_with_channel, Input, Output};
 use anyhow::{bail, Context as _};
+pub use channel::Uplink;
+use channel::{bind_host, connect, parent_channel};
 use ductile::bootstrap::{self, nonblocking, FromRank, RankHandoff, ToRank, CONTROL_FD_ENV, HANDOFF_VERSION};
 use ductile_transport::{auth, Rank};
+use grow::grow;
 use serde::de::DeserializeOwned;
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
@@ -119,70 +125,6 @@ where
     rx
 }
 
-/// The agent's channel to the controller (or to its spawner), shared by whoever
-/// reports on it: the supervisor and, on another host than the controller's, the
-/// forwarders of its ranks' output.
-#[derive(Clone)]
-pub struct Uplink(Arc<tokio::sync::Mutex<ChannelWrite>>);
-
-impl Uplink {
-    fn new(w: ChannelWrite) -> Self {
-        Self(Arc::new(tokio::sync::Mutex::new(w)))
-    }
-
-    /// Sends one message.
-    async fn send(&self, m: &FromAgent) -> Result<(), bootstrap::ControlError> {
-        nonblocking::write_msg(&mut *self.0.lock().await, m).await
-    }
-
-    /// Sends a piece of a rank's output (lost if the controller is gone).
-    pub async fn output(&self, s: Stream, bytes: Vec<u8>) {
-        let _ = self.send(&FromAgent::Output(s, bytes)).await;
-    }
-}
-
-/// The channel to whoever started this agent: fd 3 (see [`spawn_with_channel`]), or
-/// stdin and stdout for an agent started through a remote shell. Those two are taken
-/// over (moved to new descriptors) so that nothing else writes to the channel: fd 0
-/// becomes `/dev/null` and fd 1 a copy of stderr.
-fn parent_channel(stdio: bool) -> anyhow::Result<(ChannelRead, ChannelWrite)> {
-    if !stdio {
-        let fd: i32 =
-            std::env::var(CONTROL_FD_ENV).context("the agent is started by `ductile run`, not by hand")?.parse()?;
-        let std_stream = bootstrap::take_control(fd).map_err(anyhow::Error::msg)?;
-        std_stream.set_nonblocking(true)?;
-        let (r, w) = UnixStream::from_std(std_stream)?.into_split();
-        return Ok((Box::new(r), Box::new(w)));
-    }
-    let take = |fd: i32, replacement: i32| -> std::io::Result<OwnedFd> {
-        use std::os::fd::FromRawFd;
-        // SAFETY: dup, fcntl and dup2 on this process's standard descriptors; the new
-        // descriptor is owned by the OwnedFd alone.
-        unsafe {
-            let new = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3);
-            if new < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let owned = OwnedFd::from_raw_fd(new);
-            let flags = libc::fcntl(new, libc::F_GETFL);
-            if flags < 0 || libc::fcntl(new, libc::F_SETFL, flags | libc::O_NONBLOCK) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::dup2(replacement, fd) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(owned)
-        }
-    };
-    let null = std::fs::File::open("/dev/null")?;
-    let r = take(0, null.as_raw_fd())?;
-    let w = take(1, 2)?;
-    // Pipes or sockets, as the remote shell made them: both poll the same way.
-    let r = tokio::net::unix::pipe::Receiver::from_owned_fd_unchecked(r)?;
-    let w = tokio::net::unix::pipe::Sender::from_owned_fd_unchecked(w)?;
-    Ok((Box::new(r), Box::new(w)))
-}
-
 /// Runs the agent; returns when its node world has ended. `stdio`: started through a
 /// remote shell (see [`parent_channel`]).
 ///
@@ -265,13 +207,6 @@ pub async fn run(stdio: bool) -> anyhow::Result<()> {
     sup.supervise(&mut world, up_msgs, grown_rx).await
 }
 
-/// The address this node's ranks bind to: loopback for a job on one host; else the
-/// local address of this agent's connection to the controller, or of the route to it.
-fn bind_host(h: &AgentHandoff, via: Option<IpAddr>) -> Option<IpAddr> {
-    let net = h.network.as_ref()?;
-    via.or_else(|| net.controller.iter().find_map(|a| crate::netaddr::route_source(*a).ok()))
-}
-
 /// A batch system may signal every process of a job with SIGUSR1 or SIGUSR2 (a warning
 /// before its time limit), whose default action would end the agent and so its node
 /// world. The agent catches them and does nothing: its ranks get their own copy, or the
@@ -294,45 +229,6 @@ async fn settle(h: &AgentHandoff, growing: usize, grown_rx: &mut mpsc::Unbounded
     if growing > 0 {
         let _ = tokio::time::timeout(Duration::from_millis(h.join_timeout_ms.max(1)), grown_rx.recv()).await;
     }
-}
-
-/// Connects a joining agent to the controller and says who it is: over its Unix
-/// socket on the controller's host, else over TCP (the first of its addresses that
-/// answers), authenticated with the job key. Returns the connection and, over TCP, its
-/// local address.
-async fn connect(h: &AgentHandoff, j: &Joining) -> anyhow::Result<(ChannelRead, ChannelWrite, Option<IpAddr>)> {
-    let limit = Duration::from_millis(h.join_timeout_ms.max(1));
-    let hello = Hello::Agent { node: h.node, token: j.token.clone(), pid: std::process::id() };
-    let Some(net) = h.network.as_ref().filter(|_| h.remote) else {
-        let s = tokio::time::timeout(limit, UnixStream::connect(&h.socket)).await.context("timed out")??;
-        let (r, mut w) = s.into_split();
-        nonblocking::write_msg(&mut w, &hello).await?;
-        return Ok((Box::new(r), Box::new(w), None));
-    };
-    let mut last = anyhow::anyhow!("the controller has no address");
-    for &addr in &net.controller {
-        match tokio::time::timeout(limit, dial_controller(h, addr)).await {
-            Ok(Ok(mut s)) => {
-                let via = s.local_addr()?.ip();
-                nonblocking::write_msg(&mut s, &hello).await?;
-                let (r, w) = s.into_split();
-                return Ok((Box::new(r), Box::new(w), Some(via)));
-            }
-            Ok(Err(e)) => last = e.context(format!("at {addr}")),
-            Err(_) => last = anyhow::anyhow!("at {addr}: timed out after {limit:?}"),
-        }
-    }
-    Err(last)
-}
-
-/// A TCP connection to the controller at `addr`, both sides proven to hold the job key.
-async fn dial_controller(h: &AgentHandoff, addr: std::net::SocketAddr) -> anyhow::Result<tokio::net::TcpStream> {
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.set_nodelay(true)?;
-    let me = auth::Identity { job: h.job, key: h.key.clone(), rank: Rank(h.node.0) };
-    let limit = Duration::from_millis(h.join_timeout_ms.max(1));
-    auth::dial(&mut s, &me, crate::controller::socket::CONTROLLER_RANK, limit).await?;
-    Ok(s)
 }
 
 async fn start_ranks(h: &AgentHandoff, up: &Uplink) -> anyhow::Result<NodeWorld> {
@@ -708,121 +604,6 @@ impl Supervisor {
             Dest::Controller(_) => None,
         };
         let _ = to.as_ref().unwrap_or(&self.up).send(&msg).await;
-    }
-}
-
-/// Starts the node worlds of `orders` (one sequence per spawner, side by side) and
-/// returns every node world of their subtrees once all are up.
-async fn grow(h: &AgentHandoff, orders: Vec<SpawnOrder>) -> Result<Vec<NodeStarted>, String> {
-    let mut seqs: BTreeMap<u32, Vec<SpawnOrder>> = BTreeMap::new();
-    for o in orders {
-        seqs.entry(o.spawner).or_default().push(o);
-    }
-    let runs = seqs.into_values().map(|mut seq| {
-        seq.sort_by_key(|o| o.step);
-        run_sequence(h, seq)
-    });
-    let all = futures_util::future::try_join_all(runs).await?;
-    Ok(all.into_iter().flatten().collect())
-}
-
-/// One spawner's orders: each new world is started once the previous one's agent has
-/// taken over; their readiness and subtree reports are awaited together at the end.
-async fn run_sequence(h: &AgentHandoff, seq: Vec<SpawnOrder>) -> Result<Vec<NodeStarted>, String> {
-    let mut subtrees = Vec::with_capacity(seq.len());
-    for o in seq {
-        subtrees.push(start_child(h, o).await?);
-    }
-    let join = Duration::from_millis(h.join_timeout_ms.max(1));
-    let wait = Duration::from_millis(h.timeout_ms.max(1));
-    let reports = subtrees.into_iter().map(|(node, mut rx)| async move {
-        let fail = |e: String| format!("{node}: {e}");
-        let deadline = tokio::time::Instant::now() + join;
-        loop {
-            match tokio::time::timeout_at(deadline, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
-                Ok(Ok(FromAgent::Ready(_))) => {
-                    tracing::debug!("{}: {node} is up", h.node);
-                    break;
-                }
-                Ok(Ok(FromAgent::Failed(e))) => return Err(e),
-                // A rank that exits before joining is reported first; the reason follows.
-                Ok(Ok(FromAgent::RankExited { .. })) => {}
-                Ok(Ok(other)) => return Err(fail(format!("unexpected {other:?} from its agent"))),
-                Ok(Err(e)) => return Err(fail(format!("its agent is gone ({e})"))),
-                Err(_) => return Err(fail(format!("its ranks were not bound within {join:?}"))),
-            }
-        }
-        tracing::debug!("waiting for the subtree of {node}");
-        match tokio::time::timeout(wait, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
-            Ok(Ok(FromAgent::Grown(nodes))) => Ok(nodes),
-            Ok(Ok(FromAgent::Failed(e))) => Err(e),
-            Ok(Ok(other)) => Err(format!("{node}: unexpected {other:?} while growing")),
-            Ok(Err(e)) => Err(format!("{node}: its agent is gone while growing ({e})")),
-            Err(_) => Err(format!("{node}: its subtree did not come up within {wait:?}")),
-        }
-    });
-    let all = futures_util::future::try_join_all(reports).await?;
-    Ok(all.into_iter().flatten().collect())
-}
-
-/// Starts one node world's agent (here, or through the remote shell on the order's
-/// host) and waits until it has taken over (its ranks start next).
-async fn start_child(h: &AgentHandoff, o: SpawnOrder) -> Result<(ductile_transport::NodeId, ChannelRead), String> {
-    let node = o.node;
-    let remote = match (&h.network, &o.host) {
-        (Some(net), Some(host)) if !crate::hosts::is_local(host) => Some((net, host)),
-        _ => None,
-    };
-    let place = match remote {
-        Some((net, host)) => format!("{node} (on {host}, started by `{}`)", net.rsh.join(" ")),
-        None => node.to_string(),
-    };
-    let fail = |e: String| format!("{place}: {e}");
-    let (mut rx, mut tx): (ChannelRead, ChannelWrite) = match remote {
-        // No parent-death signal: this agent may be released before the one it
-        // starts. The new agent's lifeline is its connection to the controller.
-        Some((net, host)) => {
-            let (mut child, r, w) = crate::spawn::spawn_remote(&net.rsh, host, &net.exe, false)
-                .map_err(|e| fail(format!("cannot start the remote shell for {host}: {e}")))?;
-            tokio::spawn(async move {
-                let _ = child.wait().await;
-            });
-            (r, w)
-        }
-        None => {
-            let exe = std::env::current_exe().map_err(|e| fail(e.to_string()))?;
-            let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| fail(e.to_string()))?;
-            let io = (Input::Null, Output::Inherit);
-            let mut child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, io, false, None)
-                .map_err(|e| fail(format!("cannot start its agent: {e}")))?;
-            drop(theirs);
-            tokio::spawn(async move {
-                let _ = child.wait().await;
-            });
-            ours.set_nonblocking(true).map_err(|e| fail(e.to_string()))?;
-            let (r, w) = UnixStream::from_std(ours).map_err(|e| fail(e.to_string()))?.into_split();
-            (Box::new(r), Box::new(w))
-        }
-    };
-    let handoff = AgentHandoff {
-        node,
-        ids: o.ids,
-        joining: Some(Joining { token: o.token, spawns: o.spawns }),
-        adopt: None,
-        remote: remote.is_some(),
-        ..h.clone()
-    };
-    nonblocking::write_msg(&mut tx, &ToAgent::Handoff(Box::new(handoff))).await.map_err(|e| fail(e.to_string()))?;
-    let t = Duration::from_millis(h.join_timeout_ms.max(1));
-    match tokio::time::timeout(t, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
-        Ok(Ok(FromAgent::Started)) => {
-            tracing::debug!("{}: {node} has started", h.node);
-            Ok((node, rx))
-        }
-        Ok(Ok(FromAgent::Failed(e))) => Err(e),
-        Ok(Ok(other)) => Err(fail(format!("unexpected {other:?} from its agent"))),
-        Ok(Err(e)) => Err(fail(format!("its agent is gone ({e})"))),
-        Err(_) => Err(fail(format!("its agent did not take over within {t:?}"))),
     }
 }
 

@@ -1,0 +1,122 @@
+//! Growths: the node worlds this agent starts, here or through the remote shell, and
+//! the reports gathered along the spawn tree.
+
+use super::*;
+
+/// Starts the node worlds of `orders` (one sequence per spawner, side by side) and
+/// returns every node world of their subtrees once all are up.
+pub(super) async fn grow(h: &AgentHandoff, orders: Vec<SpawnOrder>) -> Result<Vec<NodeStarted>, String> {
+    let mut seqs: BTreeMap<u32, Vec<SpawnOrder>> = BTreeMap::new();
+    for o in orders {
+        seqs.entry(o.spawner).or_default().push(o);
+    }
+    let runs = seqs.into_values().map(|mut seq| {
+        seq.sort_by_key(|o| o.step);
+        run_sequence(h, seq)
+    });
+    let all = futures_util::future::try_join_all(runs).await?;
+    Ok(all.into_iter().flatten().collect())
+}
+
+/// One spawner's orders: each new world is started once the previous one's agent has
+/// taken over; their readiness and subtree reports are awaited together at the end.
+pub(super) async fn run_sequence(h: &AgentHandoff, seq: Vec<SpawnOrder>) -> Result<Vec<NodeStarted>, String> {
+    let mut subtrees = Vec::with_capacity(seq.len());
+    for o in seq {
+        subtrees.push(start_child(h, o).await?);
+    }
+    let join = Duration::from_millis(h.join_timeout_ms.max(1));
+    let wait = Duration::from_millis(h.timeout_ms.max(1));
+    let reports = subtrees.into_iter().map(|(node, mut rx)| async move {
+        let fail = |e: String| format!("{node}: {e}");
+        let deadline = tokio::time::Instant::now() + join;
+        loop {
+            match tokio::time::timeout_at(deadline, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
+                Ok(Ok(FromAgent::Ready(_))) => {
+                    tracing::debug!("{}: {node} is up", h.node);
+                    break;
+                }
+                Ok(Ok(FromAgent::Failed(e))) => return Err(e),
+                // A rank that exits before joining is reported first; the reason follows.
+                Ok(Ok(FromAgent::RankExited { .. })) => {}
+                Ok(Ok(other)) => return Err(fail(format!("unexpected {other:?} from its agent"))),
+                Ok(Err(e)) => return Err(fail(format!("its agent is gone ({e})"))),
+                Err(_) => return Err(fail(format!("its ranks were not bound within {join:?}"))),
+            }
+        }
+        tracing::debug!("waiting for the subtree of {node}");
+        match tokio::time::timeout(wait, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
+            Ok(Ok(FromAgent::Grown(nodes))) => Ok(nodes),
+            Ok(Ok(FromAgent::Failed(e))) => Err(e),
+            Ok(Ok(other)) => Err(format!("{node}: unexpected {other:?} while growing")),
+            Ok(Err(e)) => Err(format!("{node}: its agent is gone while growing ({e})")),
+            Err(_) => Err(format!("{node}: its subtree did not come up within {wait:?}")),
+        }
+    });
+    let all = futures_util::future::try_join_all(reports).await?;
+    Ok(all.into_iter().flatten().collect())
+}
+
+/// Starts one node world's agent (here, or through the remote shell on the order's
+/// host) and waits until it has taken over (its ranks start next).
+pub(super) async fn start_child(
+    h: &AgentHandoff,
+    o: SpawnOrder,
+) -> Result<(ductile_transport::NodeId, ChannelRead), String> {
+    let node = o.node;
+    let remote = match (&h.network, &o.host) {
+        (Some(net), Some(host)) if !crate::hosts::is_local(host) => Some((net, host)),
+        _ => None,
+    };
+    let place = match remote {
+        Some((net, host)) => format!("{node} (on {host}, started by `{}`)", net.rsh.join(" ")),
+        None => node.to_string(),
+    };
+    let fail = |e: String| format!("{place}: {e}");
+    let (mut rx, mut tx): (ChannelRead, ChannelWrite) = match remote {
+        // No parent-death signal: this agent may be released before the one it
+        // starts. The new agent's lifeline is its connection to the controller.
+        Some((net, host)) => {
+            let (mut child, r, w) = crate::spawn::spawn_remote(&net.rsh, host, &net.exe, false)
+                .map_err(|e| fail(format!("cannot start the remote shell for {host}: {e}")))?;
+            tokio::spawn(async move {
+                let _ = child.wait().await;
+            });
+            (r, w)
+        }
+        None => {
+            let exe = std::env::current_exe().map_err(|e| fail(e.to_string()))?;
+            let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| fail(e.to_string()))?;
+            let io = (Input::Null, Output::Inherit);
+            let mut child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, io, false, None)
+                .map_err(|e| fail(format!("cannot start its agent: {e}")))?;
+            drop(theirs);
+            tokio::spawn(async move {
+                let _ = child.wait().await;
+            });
+            ours.set_nonblocking(true).map_err(|e| fail(e.to_string()))?;
+            let (r, w) = UnixStream::from_std(ours).map_err(|e| fail(e.to_string()))?.into_split();
+            (Box::new(r), Box::new(w))
+        }
+    };
+    let handoff = AgentHandoff {
+        node,
+        ids: o.ids,
+        joining: Some(Joining { token: o.token, spawns: o.spawns }),
+        adopt: None,
+        remote: remote.is_some(),
+        ..h.clone()
+    };
+    nonblocking::write_msg(&mut tx, &ToAgent::Handoff(Box::new(handoff))).await.map_err(|e| fail(e.to_string()))?;
+    let t = Duration::from_millis(h.join_timeout_ms.max(1));
+    match tokio::time::timeout(t, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
+        Ok(Ok(FromAgent::Started)) => {
+            tracing::debug!("{}: {node} has started", h.node);
+            Ok((node, rx))
+        }
+        Ok(Ok(FromAgent::Failed(e))) => Err(e),
+        Ok(Ok(other)) => Err(fail(format!("unexpected {other:?} from its agent"))),
+        Ok(Err(e)) => Err(fail(format!("its agent is gone ({e})"))),
+        Err(_) => Err(fail(format!("its agent did not take over within {t:?}"))),
+    }
+}
