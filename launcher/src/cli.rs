@@ -415,8 +415,8 @@ impl RunArgs {
         let hosts = match (&self.hosts, &self.hostfile) {
             (Some(list), _) => crate::hosts::parse_list(list).map_err(|e| format!("--hosts: {e}"))?,
             (None, Some(path)) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| format!("cannot read the hostfile {}: {e}", path.display()))?;
+                let text =
+                    read_hostfile(path).map_err(|e| format!("cannot read the hostfile {}: {e}", path.display()))?;
                 crate::hosts::parse_file(&text).map_err(|e| format!("{}: {e}", path.display()))?
             }
             (None, None) if self.rsh.is_some() => return Err("--rsh needs --hosts or --hostfile".into()),
@@ -430,6 +430,26 @@ impl RunArgs {
         }
         Ok(Some(hosts))
     }
+}
+
+/// Largest hostfile read, bytes (a million hosts' worth of lines is far past any
+/// pool; `/dev/zero` is not a hostfile).
+const MAX_HOSTFILE: u64 = 16 << 20;
+
+/// The text of a hostfile: a regular file (not a FIFO that may never end) of at most
+/// [`MAX_HOSTFILE`] bytes.
+fn read_hostfile(path: &Path) -> std::io::Result<String> {
+    use std::io::Read as _;
+    let file = std::fs::File::open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    let mut text = String::new();
+    file.take(MAX_HOSTFILE + 1).read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_HOSTFILE {
+        return Err(std::io::Error::other(format!("larger than {} MiB", MAX_HOSTFILE >> 20)));
+    }
+    Ok(text)
 }
 
 /// Fails unless a job starting on `initial` nodes, with at most `max` (if given), fits

@@ -205,6 +205,12 @@ pub fn is_local(name: &str) -> bool {
     is_local_with(name, crate::netaddr::hostname().ok().as_deref(), &addrs)
 }
 
+/// Whether `name` means this host on every host: `localhost` or a loopback address.
+#[must_use]
+pub fn is_loopback(name: &str) -> bool {
+    name.eq_ignore_ascii_case("localhost") || name.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
 /// [`is_local`] with this machine's name and addresses passed in.
 fn is_local_with(name: &str, hostname: Option<&str>, addrs: &[IpAddr]) -> bool {
     if name.is_empty() {
@@ -415,6 +421,16 @@ mod tests {
         );
         assert_eq!(message(parse_file("")), "the hostfile names no hosts");
         assert_eq!(message(parse_file("# nothing\n\n   \n")), "the hostfile names no hosts");
+    }
+
+    #[test]
+    fn loopback_names_mean_this_host_everywhere() {
+        for name in ["localhost", "LocalHost", "127.0.0.1", "127.1.2.3", "::1"] {
+            assert!(is_loopback(name), "{name}");
+        }
+        for name in ["", "node1", "10.0.0.1", "localhost.example", "::2"] {
+            assert!(!is_loopback(name), "{name}");
+        }
     }
 
     #[test]

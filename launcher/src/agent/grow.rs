@@ -104,7 +104,9 @@ pub(super) async fn start_child(
         ids: o.ids,
         joining: Some(Joining { token: o.token, spawns: o.spawns }),
         adopt: None,
-        remote: remote.is_some(),
+        // A node world on another host than the controller's is remote (connects over
+        // TCP, sends its output as messages), even when started here.
+        remote: remote.is_some() || h.remote,
         ..h.clone()
     };
     nonblocking::write_msg(&mut tx, &ToAgent::Handoff(Box::new(handoff))).await.map_err(|e| fail(e.to_string()))?;

@@ -145,7 +145,9 @@ struct AgentConn {
     /// Set for agents the controller started itself (for an agent on another host,
     /// the remote shell that started it).
     child: Option<Child>,
-    /// `pid` is on another host: never signalled or reaped here.
+    /// The node world is on another host: its ranks' pids are that host's, and so is
+    /// `pid` unless the controller started the agent (then `child`, the remote shell).
+    /// Only the remote shell is ever signalled or reaped here.
     remote: bool,
     /// Reads its channel; ends when the channel closes (how the exit of an agent on
     /// another host is seen).
@@ -406,7 +408,8 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     let _ = std::fs::remove_file(&ctl.socket);
     // Every rank has ended; an agent killed before its ranks could not clean up after
     // them (see `shm_regions`).
-    let pids: Vec<u32> = ctl.agents.iter().flat_map(|a| a.started.iter().map(|r| r.pid)).collect();
+    let here = ctl.agents.iter().filter(|a| !a.remote);
+    let pids: Vec<u32> = here.flat_map(|a| a.started.iter().map(|r| r.pid)).collect();
     ductile_transport::shm_regions::remove_ended(&pids);
     if let Some(path) = &ctl.spec.report {
         if let Err(e) = ctl.report(code, started).write(path) {
@@ -446,11 +449,11 @@ impl Ctl {
         (self.network.is_some() && !crate::hosts::is_local(name)).then_some(name.as_str())
     }
 
-    /// The host of `node` as agents on any host name it: this host by its name, not
-    /// as `localhost`.
+    /// The host of `node` as agents on any host name it: as the user wrote it, but
+    /// this host by its name, not as `localhost` or a loopback address.
     fn host_name(&self, node: NodeId) -> Option<String> {
         let name = self.spec.hosts.as_ref()?.names.get(node.0 as usize)?;
-        match crate::hosts::is_local(name) {
+        match crate::hosts::is_loopback(name) {
             true => crate::netaddr::hostname().ok().or_else(|| Some(name.clone())),
             false => Some(name.clone()),
         }
@@ -513,7 +516,7 @@ impl Ctl {
                 node: plan.node,
                 pid: child.id().unwrap_or(0),
                 child: Some(child),
-                remote: false,
+                remote,
                 reader,
                 tx: Some(tx),
                 started: Vec::new(),

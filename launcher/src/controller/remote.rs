@@ -24,7 +24,25 @@ pub const DEFAULT_RSH: &str = "ssh -o BatchMode=yes";
 
 /// Variables of `ductile run`'s environment not given to ranks on other hosts: they
 /// describe this host, this login or this terminal (`srun` leaves out the same kind).
-const HOST_ONLY: [&str; 9] = ["HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "DISPLAY", "XAUTHORITY", "TERM", "TMPDIR"];
+const HOST_ONLY: [&str; 17] = [
+    "HOSTNAME",
+    "PWD",
+    "OLDPWD",
+    "SHLVL",
+    "_",
+    "DISPLAY",
+    "XAUTHORITY",
+    "TERM",
+    "TMPDIR",
+    "XDG_RUNTIME_DIR",
+    "XDG_SESSION_ID",
+    "DBUS_SESSION_BUS_ADDRESS",
+    "KRB5CCNAME",
+    "TMUX",
+    "TMUX_PANE",
+    "STY",
+    "WINDOWID",
+];
 
 /// Which variables of `ductile run`'s environment ranks on other hosts get.
 fn forwarded(name: &str) -> bool {
@@ -51,8 +69,8 @@ pub async fn serve(
     nodes: u32,
     tx: mpsc::UnboundedSender<Arrival>,
 ) -> anyhow::Result<Vec<SocketAddr>> {
-    let ips = crate::netaddr::local_addrs()?;
-    anyhow::ensure!(!ips.is_empty(), "this host has no network address (other than loopback) for other hosts to reach");
+    let ips: Vec<_> = crate::netaddr::local_addrs()?.into_iter().filter(std::net::IpAddr::is_ipv4).collect();
+    anyhow::ensure!(!ips.is_empty(), "this host has no IPv4 address (other than loopback) for other hosts to reach");
     let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
     let port = listener.local_addr()?.port();
     let me = auth::Identity { job, key, rank: CONTROLLER_RANK };
@@ -75,7 +93,7 @@ pub async fn serve(
             }
         }
     });
-    Ok(ips.into_iter().filter(|ip| ip.is_ipv4()).map(|ip| SocketAddr::new(ip, port)).collect())
+    Ok(ips.into_iter().map(|ip| SocketAddr::new(ip, port)).collect())
 }
 
 /// Authenticates a TCP connection (the peer claims a node of the pool and must prove
@@ -107,7 +125,17 @@ pub fn network(rsh: &[String], controller: Vec<SocketAddr>) -> anyhow::Result<Ne
     let exe = std::env::current_exe()?.to_string_lossy().into_owned();
     anyhow::ensure!(shell_safe(&exe), "the launcher's path {exe:?} cannot be passed through a remote shell unquoted");
     let cwd = std::env::current_dir().map(|d| d.to_string_lossy().into_owned()).unwrap_or_default();
-    let env = std::env::vars().filter(|(k, _)| forwarded(k)).collect();
+    let mut env = Vec::new();
+    for (k, v) in std::env::vars_os() {
+        match (k.into_string(), v.into_string()) {
+            (Ok(k), Ok(v)) if forwarded(&k) => env.push((k, v)),
+            (Ok(_), Ok(_)) => {}
+            (k, _) => {
+                let name = k.unwrap_or_else(|k| k.to_string_lossy().into_owned());
+                crate::say_errln!("ductile: {name} is not valid UTF-8; ranks on other hosts do not get it");
+            }
+        }
+    }
     Ok(Network { controller, rsh: rsh.to_vec(), exe, env, cwd })
 }
 
