@@ -35,7 +35,25 @@ fn run_cmd(t: &TestHosts, args: &[&str]) -> Command {
 }
 
 fn run(t: &TestHosts, args: &[&str]) -> Output {
-    run_cmd(t, args).output().expect("start ductile run in the head namespace")
+    output_within(&mut run_cmd(t, args))
+}
+
+/// Runs `c` to its end, its output captured, failing the test (and ending it) if it
+/// takes more than `JOB_LIMIT` + 30 s: the launcher's own limit failed.
+fn output_within(c: &mut Command) -> Output {
+    let mut child = common::Running(c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start the job"));
+    let (mut out, mut err) = (child.0.stdout.take().unwrap(), child.0.stderr.take().unwrap());
+    let read_out = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        std::io::Read::read_to_end(&mut out, &mut b).map(|_| b)
+    });
+    let read_err = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        std::io::Read::read_to_end(&mut err, &mut b).map(|_| b)
+    });
+    let limit = Duration::from_secs(JOB_LIMIT.parse::<u64>().unwrap() + 30);
+    let status = wait_with_timeout(&mut child.0, limit);
+    Output { status, stdout: read_out.join().unwrap().unwrap(), stderr: read_err.join().unwrap().unwrap() }
 }
 
 fn text(b: &[u8]) -> String {
@@ -65,11 +83,8 @@ fn hello_runs_on_each_host_with_the_launchers_environment_over_tcp_and_quic() {
     std::fs::create_dir_all(&dir).unwrap();
     for transport in ["tcp", "quic"] {
         let value = format!("set-for-{transport}");
-        let out = run_cmd(&t, &["--hosts", &list, "--transport", transport, &ex("hello"), "--env", "HOSTS_TEST_VAR"])
-            .env("HOSTS_TEST_VAR", &value)
-            .current_dir(&*dir)
-            .output()
-            .unwrap();
+        let mut c = run_cmd(&t, &["--hosts", &list, "--transport", transport, &ex("hello"), "--env", "HOSTS_TEST_VAR"]);
+        let out = output_within(c.env("HOSTS_TEST_VAR", &value).current_dir(&*dir));
         let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
         assert_eq!(out.status.code(), Some(0), "{transport}: {stdout}\n{stderr}");
         for r in 0..4 {
@@ -130,6 +145,47 @@ fn jacobi_grows_and_shrinks_across_hosts_from_a_hostfile() {
 }
 
 #[test]
+fn a_job_on_this_host_and_others_grows_and_shrinks_across_them() {
+    let Some(t) = hosts(2) else { return };
+    let h = t.hosts();
+    // Node 0 is the launcher's own host: its agent starts here, and its ranks bind to
+    // the address the other hosts reach it at.
+    let list = format!("localhost:2,{}:2,{}:2", h[0], h[1]);
+    let jacobi = ex("jacobi");
+    let problem = [jacobi.as_str(), "--points", "300000", "--iters", "120", "--every", "20"];
+    let args = [&["--hosts", &list, "--nodes", "1", "--policy", "steps:3,1,2", "--"][..], &problem].concat();
+    let out = run(&t, &args);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert_eq!(checksum(&stdout), rigid_checksum(&problem), "{stdout}");
+    assert!(!stderr.contains("WARN"), "{stderr}");
+    assert_namespaces_empty(&t);
+}
+
+#[test]
+fn a_remote_shell_that_hangs_ends_within_the_limits_even_with_a_large_environment() {
+    // No test hosts needed: the remote shell never starts anything.
+    let script = tmp("hanging-rsh.sh");
+    std::fs::write(&*script, "#!/bin/sh\nexec sleep 1000\n").unwrap();
+    std::fs::set_permissions(&*script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let started = Instant::now();
+    let mut c = common::ductile(&["run", "--hosts", "far1,far2", "--rsh", &script.display().to_string()]);
+    // More than a pipe holds: the handoff cannot be written while nothing reads it.
+    c.args(["--join-timeout", "2", &ex("hello")]);
+    for i in 0..4 {
+        // Each under the kernel's limit of 128 KiB for one variable.
+        c.env(format!("LARGE_TEST_VAR_{i}"), "x".repeat(50_000));
+    }
+    let out = output_within(&mut c);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("(far1) failed") || stderr.contains("(far2) failed"), "{stderr}");
+    assert!(started.elapsed() < Duration::from_secs(20), "took {:?}: {stderr}", started.elapsed());
+    let sleeping = Command::new("pgrep").args(["-f", &script.display().to_string()]).output().unwrap();
+    assert!(sleeping.stdout.is_empty(), "left: {}", text(&sleeping.stdout));
+}
+
+#[test]
 fn an_unreachable_host_is_a_clear_error_and_leaves_nothing() {
     let Some(t) = hosts(1) else { return };
     let list = format!("{},no-such-host", t.hosts()[0]);
@@ -138,7 +194,9 @@ fn an_unreachable_host_is_a_clear_error_and_leaves_nothing() {
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
-    assert!(stderr.contains("node 1 (no-such-host) failed: its agent is gone"), "{stderr}");
+    let why = "node 1 (no-such-host) failed: the remote shell ended before the agent started";
+    assert!(stderr.contains(why), "{stderr}");
+    assert!(!stderr.contains("did not exit in time"), "{stderr}");
     assert_namespaces_empty(&t);
 }
 
@@ -230,7 +288,7 @@ impl Sshd {
     fn rsh(&self) -> String {
         format!(
             "ssh -F /dev/null -i {} -o BatchMode=yes -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null \
-             -o LogLevel=ERROR",
+             -o LogLevel=ERROR -o ConnectTimeout=5",
             self.dir.join("id").display()
         )
     }
@@ -243,7 +301,7 @@ impl Sshd {
             loop {
                 let words: Vec<&str> = rsh.split_whitespace().collect();
                 let mut c = t.in_head(std::path::Path::new(words[0]));
-                let ok = c.args(&words[1..]).arg(t.host_addr(i).to_string()).arg("true").output().unwrap();
+                let ok = output_within(c.args(&words[1..]).arg(t.host_addr(i).to_string()).arg("true"));
                 if ok.status.success() {
                     break;
                 }
@@ -283,7 +341,7 @@ fn jobs_start_and_grow_over_ssh() {
     std::fs::create_dir_all(&*dir).unwrap();
     let mut c = t.in_head(&ductile_bin());
     c.args(["run", "--rsh", &rsh, "--timeout", JOB_LIMIT, "--hosts", &list, &ex("hello"), "--env", "OVER_SSH_VAR"]);
-    let out = c.env("OVER_SSH_VAR", "over-ssh").current_dir(&*dir).output().unwrap();
+    let out = output_within(c.env("OVER_SSH_VAR", "over-ssh").current_dir(&*dir));
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
     for r in 0..4 {
@@ -296,7 +354,7 @@ fn jobs_start_and_grow_over_ssh() {
     let problem = [jacobi.as_str(), "--points", "200000", "--iters", "80", "--every", "20"];
     let mut c = t.in_head(&ductile_bin());
     c.args(["run", "--rsh", &rsh, "--timeout", JOB_LIMIT, "--hosts", &list, "--nodes", "1", "--policy", "steps:2,1,2"]);
-    let out = c.arg("--").args(problem).output().unwrap();
+    let out = output_within(c.arg("--").args(problem));
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
     assert_eq!(checksum(&stdout), rigid_checksum(&problem), "{stdout}");

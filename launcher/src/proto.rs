@@ -15,6 +15,11 @@ pub type ChannelRead = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
 /// The writing half of a control channel.
 pub type ChannelWrite = Box<dyn tokio::io::AsyncWrite + Send + Unpin>;
 
+/// What an agent started through a remote shell writes first on its stdout, so that
+/// whoever started it can tell its channel from what a shell start-up file printed
+/// (and an agent of another version from this one).
+pub const STDIO_MAGIC: &[u8; 16] = b"\0ductile-agent8\n";
+
 /// Version of the agent handoff.
 pub const AGENT_VERSION: u32 = 8;
 
@@ -78,6 +83,10 @@ pub struct Network {
     pub env: Vec<(String, String)>,
     /// `ductile run`'s working directory, the ranks' on other hosts where it exists.
     pub cwd: String,
+    /// The address node worlds on the controller's host bind their ranks to: the one
+    /// on the route to the first other host whose name resolves, else the first of
+    /// `controller`.
+    pub here: std::net::IpAddr,
 }
 
 /// A running process an agent adopts as its node world's rank.
@@ -295,6 +304,9 @@ pub enum Hello {
     Resize(Target),
     /// `ductile status`: the controller answers with a [`String`], the job's layout.
     Status,
+    /// Over TCP: an agent on another host finding its address on a path to the
+    /// controller (it closes next).
+    Probe,
 }
 
 /// The controller's answers to `ductile resize`.

@@ -7,7 +7,7 @@
 //! on the launcher's main thread (a current-thread runtime), which matters because the
 //! parent-death signal follows the thread that forked.
 
-use crate::proto::{ChannelRead, ChannelWrite, Network};
+use crate::proto::{ChannelRead, ChannelWrite, Network, ToAgent, STDIO_MAGIC};
 use ductile::bootstrap::{CONTROL_FD, CONTROL_FD_ENV};
 use std::ffi::OsStr;
 use std::os::fd::AsRawFd;
@@ -123,6 +123,47 @@ pub fn spawn_remote(
     Ok((child, Box::new(stdout), Box::new(stdin)))
 }
 
+/// Hands an agent started through the remote shell its first message `msg` on `tx`,
+/// and checks that its channel on `rx` begins with [`STDIO_MAGIC`], all within `limit`.
+///
+/// # Errors
+/// Why not, in words for the user: the time ran out, the remote shell ended, or what
+/// came first was not the agent's.
+pub async fn hand_off_remote(
+    rx: &mut ChannelRead,
+    tx: &mut ChannelWrite,
+    msg: &ToAgent,
+    limit: std::time::Duration,
+) -> Result<(), String> {
+    use tokio::io::AsyncReadExt as _;
+    let exchange = async {
+        let mut first = [0u8; STDIO_MAGIC.len()];
+        let (written, read) =
+            tokio::join!(ductile::bootstrap::nonblocking::write_msg(tx, msg), rx.read_exact(&mut first));
+        match (read, written) {
+            (Ok(_), _) if &first != STDIO_MAGIC => {
+                // Whatever else came with it, briefly, to show what the shell printed.
+                let mut more = [0u8; 240];
+                let n = tokio::time::timeout(std::time::Duration::from_millis(200), rx.read(&mut more)).await;
+                let mut seen = first.to_vec();
+                seen.extend_from_slice(&more[..n.ok().and_then(Result::ok).unwrap_or(0)]);
+                Err(format!(
+                    "the remote shell printed {:?} before the agent's channel began (does a shell start-up file \
+                     print, or is the launcher there another version?)",
+                    String::from_utf8_lossy(&seen)
+                ))
+            }
+            (Ok(_), Ok(())) => Ok(()),
+            (Ok(_), Err(e)) => Err(format!("cannot hand the agent its settings: {e}")),
+            (Err(e), _) => Err(format!("the remote shell ended before the agent started ({e})")),
+        }
+    };
+    match tokio::time::timeout(limit, exchange).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("the agent did not start through the remote shell within {limit:?}")),
+    }
+}
+
 fn child_setup(fd: Option<i32>, new_group: bool, parent: Option<u32>) -> std::io::Result<()> {
     let check = |rc: i32| if rc < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) };
     // SAFETY: plain syscalls on descriptors and the calling process.
@@ -212,6 +253,13 @@ fn children() -> Vec<(u32, bool)> {
 /// killed), within [`ADOPTION_GRACE`] (a process that cannot die, stuck in the kernel,
 /// is left); returns how many were still running.
 pub async fn end_adopted() -> usize {
+    // A process that is already on its way out (an agent whose channel has just
+    // closed) is given a moment to finish on its own, not counted as left behind.
+    let settle = tokio::time::Instant::now() + SETTLE;
+    while children().iter().any(|&(_, running)| running) && tokio::time::Instant::now() < settle {
+        reap_children();
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
     // Every running child is asked once, those that become ours meanwhile (the
     // children of one that ended) too, until none is left or the grace is over.
     let mut asked = std::collections::HashSet::new();
@@ -270,5 +318,7 @@ fn reap_children() {
 /// job's launcher ends its job in milliseconds when its ranks end on SIGTERM (one
 /// whose ranks do not is killed, and what it made is removed by later jobs).
 const TERM_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
+/// How long [`end_adopted`] waits for processes to end on their own before it asks.
+const SETTLE: std::time::Duration = std::time::Duration::from_millis(200);
 /// How long [`end_adopted`] waits for what it killed to end.
 const ADOPTION_GRACE: std::time::Duration = std::time::Duration::from_secs(2);

@@ -39,6 +39,20 @@ pub(super) fn parent_channel(stdio: bool) -> anyhow::Result<(ChannelRead, Channe
         let (r, w) = UnixStream::from_std(std_stream)?.into_split();
         return Ok((Box::new(r), Box::new(w)));
     }
+    // The channel's end is made non-blocking, and with it whatever shares its open file:
+    // stderr must not (writes to it would then fail when the pipe is full).
+    let stat = |fd: i32| {
+        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: fstat fills `st` for an open descriptor, or fails and leaves it unread.
+        (unsafe { libc::fstat(fd, st.as_mut_ptr()) } == 0).then(|| {
+            // SAFETY: fstat succeeded, so `st` is initialised.
+            let st = unsafe { st.assume_init() };
+            (st.st_dev, st.st_ino)
+        })
+    };
+    if stat(1).is_some() && stat(1) == stat(2) {
+        bail!("stdout and stderr are one file: the remote shell must keep them apart (no terminal, no 2>&1)");
+    }
     let take = |fd: i32, replacement: i32| -> std::io::Result<OwnedFd> {
         use std::os::fd::FromRawFd;
         // SAFETY: dup, fcntl and dup2 on this process's standard descriptors; the new
@@ -68,54 +82,80 @@ pub(super) fn parent_channel(stdio: bool) -> anyhow::Result<(ChannelRead, Channe
     Ok((Box::new(r), Box::new(w)))
 }
 
-/// The address this node's ranks bind to: loopback for a job on one host; else the
-/// local address of this agent's connection to the controller, or of the route to it.
-pub(super) fn bind_host(h: &AgentHandoff, via: Option<IpAddr>) -> Option<IpAddr> {
-    let net = h.network.as_ref()?;
-    via.or_else(|| net.controller.iter().find_map(|a| crate::netaddr::route_source(*a).ok()))
+/// The address this node's ranks bind to: loopback for a job on one host; on the
+/// controller's host, the address it chose for the job ([`Network::here`]); on another
+/// host, the local address of this agent's connection to the controller (`via`: a path
+/// proven to work), or of a probe connection made for it.
+///
+/// # Errors
+/// The controller cannot be reached from this host.
+pub(super) async fn bind_host(h: &AgentHandoff, via: Option<IpAddr>) -> anyhow::Result<Option<IpAddr>> {
+    let Some(net) = h.network.as_ref() else { return Ok(None) };
+    if !h.remote {
+        return Ok(Some(net.here));
+    }
+    if let Some(via) = via {
+        return Ok(Some(via));
+    }
+    let mut s = dial_controller(h).await?;
+    let via = s.local_addr()?.ip();
+    nonblocking::write_msg(&mut s, &Hello::Probe).await?;
+    Ok(Some(via))
 }
 
 /// Connects a joining agent to the controller and says who it is: over its Unix
-/// socket on the controller's host, else over TCP (the first of its addresses that
-/// answers), authenticated with the job key. Returns the connection and, over TCP, its
-/// local address.
+/// socket on the controller's host, else over TCP (see [`dial_controller`]). Returns
+/// the connection and, over TCP, its local address.
 pub(super) async fn connect(
     h: &AgentHandoff,
     j: &Joining,
 ) -> anyhow::Result<(ChannelRead, ChannelWrite, Option<IpAddr>)> {
     let limit = Duration::from_millis(h.join_timeout_ms.max(1));
     let hello = Hello::Agent { node: h.node, token: j.token.clone(), pid: std::process::id() };
-    let Some(net) = h.network.as_ref().filter(|_| h.remote) else {
+    if h.network.is_none() || !h.remote {
         let s = tokio::time::timeout(limit, UnixStream::connect(&h.socket)).await.context("timed out")??;
         let (r, mut w) = s.into_split();
         nonblocking::write_msg(&mut w, &hello).await?;
         return Ok((Box::new(r), Box::new(w), None));
-    };
-    let mut last = anyhow::anyhow!("the controller has no address");
-    for &addr in &net.controller {
-        match tokio::time::timeout(limit, dial_controller(h, addr)).await {
-            Ok(Ok(mut s)) => {
-                let via = s.local_addr()?.ip();
-                nonblocking::write_msg(&mut s, &hello).await?;
-                let (r, w) = s.into_split();
-                return Ok((Box::new(r), Box::new(w), Some(via)));
-            }
-            Ok(Err(e)) => last = e.context(format!("at {addr}")),
-            Err(_) => last = anyhow::anyhow!("at {addr}: timed out after {limit:?}"),
-        }
     }
-    Err(last)
+    let mut s = dial_controller(h).await?;
+    let via = s.local_addr()?.ip();
+    nonblocking::write_msg(&mut s, &hello).await?;
+    let (r, w) = s.into_split();
+    Ok((Box::new(r), Box::new(w), Some(via)))
 }
 
-/// A TCP connection to the controller at `addr`, both sides proven to hold the job key.
-pub(super) async fn dial_controller(
-    h: &AgentHandoff,
-    addr: std::net::SocketAddr,
-) -> anyhow::Result<tokio::net::TcpStream> {
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.set_nodelay(true)?;
-    let me = auth::Identity { job: h.job, key: h.key.clone(), rank: Rank(h.node.0) };
+/// A TCP connection to the controller, both sides proven to hold the job key: all of
+/// its addresses are tried at once (an address of another network, or one that only
+/// exists on the controller's host, such as a container bridge's, may never answer),
+/// and the first that authenticates is kept, within the join timeout.
+///
+/// # Errors
+/// None answered; the error names each address and what happened there.
+pub(super) async fn dial_controller(h: &AgentHandoff) -> anyhow::Result<tokio::net::TcpStream> {
+    let net = h.network.as_ref().context("the job does not span hosts")?;
     let limit = Duration::from_millis(h.join_timeout_ms.max(1));
-    auth::dial(&mut s, &me, crate::controller::socket::CONTROLLER_RANK, limit).await?;
-    Ok(s)
+    let me = auth::Identity { job: h.job, key: h.key.clone(), rank: Rank(h.node.0) };
+    let attempts = net.controller.iter().map(|&addr| {
+        let me = me.clone();
+        Box::pin(async move {
+            let attempt = async {
+                let mut s = tokio::net::TcpStream::connect(addr).await?;
+                s.set_nodelay(true)?;
+                auth::dial(&mut s, &me, crate::controller::socket::CONTROLLER_RANK, limit).await?;
+                anyhow::Ok(s)
+            };
+            match tokio::time::timeout(limit, attempt).await {
+                Ok(r) => r.map_err(|e| format!("{addr}: {e:#}")),
+                Err(_) => Err(format!("{addr}: no answer within {limit:?}")),
+            }
+        })
+    });
+    if net.controller.is_empty() {
+        bail!("the controller has no address");
+    }
+    match futures_util::future::select_ok(attempts).await {
+        Ok((s, _)) => Ok(s),
+        Err(last) => bail!("cannot reach the controller at any of its addresses (the last: {last})"),
+    }
 }

@@ -73,30 +73,21 @@ pub(super) async fn start_child(
         None => node.to_string(),
     };
     let fail = |e: String| format!("{place}: {e}");
-    let (mut rx, mut tx): (ChannelRead, ChannelWrite) = match remote {
-        // No parent-death signal: this agent may be released before the one it
-        // starts. The new agent's lifeline is its connection to the controller.
-        Some((net, host)) => {
-            let (mut child, r, w) = crate::spawn::spawn_remote(&net.rsh, host, &net.exe, false)
-                .map_err(|e| fail(format!("cannot start the remote shell for {host}: {e}")))?;
-            tokio::spawn(async move {
-                let _ = child.wait().await;
-            });
-            (r, w)
-        }
+    // No parent-death signal: this agent may be released before the one it starts. The
+    // new agent's lifeline is its connection to the controller.
+    let (mut child, mut rx, mut tx): (_, ChannelRead, ChannelWrite) = match remote {
+        Some((net, host)) => crate::spawn::spawn_remote(&net.rsh, host, &net.exe, false)
+            .map_err(|e| fail(format!("cannot start the remote shell: {e}")))?,
         None => {
             let exe = std::env::current_exe().map_err(|e| fail(e.to_string()))?;
             let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| fail(e.to_string()))?;
             let io = (Input::Null, Output::Inherit);
-            let mut child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, io, false, None)
+            let child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, io, false, None)
                 .map_err(|e| fail(format!("cannot start its agent: {e}")))?;
             drop(theirs);
-            tokio::spawn(async move {
-                let _ = child.wait().await;
-            });
-            ours.set_nonblocking(true).map_err(|e| fail(e.to_string()))?;
-            let (r, w) = UnixStream::from_std(ours).map_err(|e| fail(e.to_string()))?.into_split();
-            (Box::new(r), Box::new(w))
+            let channel = ours.set_nonblocking(true).and_then(|()| UnixStream::from_std(ours));
+            let (r, w) = channel.map_err(|e| fail(e.to_string()))?.into_split();
+            (child, Box::new(r), Box::new(w))
         }
     };
     let handoff = AgentHandoff {
@@ -109,16 +100,33 @@ pub(super) async fn start_child(
         remote: remote.is_some() || h.remote,
         ..h.clone()
     };
-    nonblocking::write_msg(&mut tx, &ToAgent::Handoff(Box::new(handoff))).await.map_err(|e| fail(e.to_string()))?;
+    let msg = ToAgent::Handoff(Box::new(handoff));
     let t = Duration::from_millis(h.join_timeout_ms.max(1));
-    match tokio::time::timeout(t, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
-        Ok(Ok(FromAgent::Started)) => {
-            tracing::debug!("{}: {node} has started", h.node);
-            Ok((node, rx))
+    let started = async {
+        match remote {
+            Some(_) => crate::spawn::hand_off_remote(&mut rx, &mut tx, &msg, t).await.map_err(fail)?,
+            None => nonblocking::write_msg(&mut tx, &msg).await.map_err(|e| fail(e.to_string()))?,
         }
-        Ok(Ok(FromAgent::Failed(e))) => Err(e),
-        Ok(Ok(other)) => Err(fail(format!("unexpected {other:?} from its agent"))),
-        Ok(Err(e)) => Err(fail(format!("its agent is gone ({e})"))),
-        Err(_) => Err(fail(format!("its agent did not take over within {t:?}"))),
+        match tokio::time::timeout(t, nonblocking::read_msg::<FromAgent>(&mut rx)).await {
+            Ok(Ok(FromAgent::Started)) => Ok(()),
+            Ok(Ok(FromAgent::Failed(e))) => Err(e),
+            Ok(Ok(other)) => Err(fail(format!("unexpected {other:?} from its agent"))),
+            Ok(Err(e)) => Err(fail(format!("its agent is gone ({e})"))),
+            Err(_) => Err(fail(format!("its agent did not take over within {t:?}"))),
+        }
     }
+    .await;
+    if started.is_err() {
+        // Nothing it started may outlive the failure: the agent, or the remote shell.
+        if let Some(pid) = child.id() {
+            crate::spawn::signal_group(pid, libc::SIGKILL);
+        }
+    }
+    tokio::spawn(async move {
+        let _ = child.wait().await;
+    });
+    started.map(|()| {
+        tracing::debug!("{}: {node} has started", h.node);
+        (node, rx)
+    })
 }

@@ -20,11 +20,11 @@ mod channel;
 mod grow;
 
 use crate::output::{forward, Sink, Stream};
-use crate::proto::AGENT_VERSION;
 use crate::proto::{
     Adopt, AgentHandoff, ChannelRead, ChannelWrite, Exit, FromAgent, Hello, Joining, NodeStarted, RankStarted,
     SpawnOrder, ToAgent,
 };
+use crate::proto::{AGENT_VERSION, STDIO_MAGIC};
 use crate::spawn::{signal_pid, spawn_with_channel, Input, Output};
 use anyhow::{bail, Context as _};
 pub use channel::Uplink;
@@ -46,6 +46,8 @@ use tokio::net::UnixStream;
 use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
 
+/// How long an agent waits for its handoff (its starter writes it at once).
+const HANDOFF_WAIT: Duration = Duration::from_secs(60);
 /// Time ranks get between SIGTERM and SIGKILL when a node world is ended.
 pub const KILL_GRACE: Duration = Duration::from_secs(2);
 /// How long a rank whose control channel ended before it joined is given to be seen
@@ -133,7 +135,14 @@ where
 pub async fn run(stdio: bool) -> anyhow::Result<()> {
     outlive_user_signals()?;
     let (mut prx, mut ptx) = parent_channel(stdio)?;
-    let mut h = match nonblocking::read_msg::<ToAgent>(&mut prx).await? {
+    if stdio {
+        tokio::io::AsyncWriteExt::write_all(&mut ptx, STDIO_MAGIC).await?;
+        tokio::io::AsyncWriteExt::flush(&mut ptx).await?;
+    }
+    let first = tokio::time::timeout(HANDOFF_WAIT, nonblocking::read_msg::<ToAgent>(&mut prx))
+        .await
+        .with_context(|| format!("no handoff came within {HANDOFF_WAIT:?}"))?;
+    let mut h = match first? {
         ToAgent::Handoff(h) if h.version == AGENT_VERSION => *h,
         ToAgent::Handoff(h) => bail!("agent handoff version {} (this build speaks {AGENT_VERSION})", h.version),
         other => bail!("expected a handoff, got {other:?}"),
@@ -149,7 +158,14 @@ pub async fn run(stdio: bool) -> anyhow::Result<()> {
             }
         },
     };
-    h.transport.bind_host = bind_host(&h, via);
+    h.transport.bind_host = match bind_host(&h, via).await {
+        Ok(b) => b,
+        Err(e) => {
+            let msg = format!("{}: {e:#}", h.node);
+            let _ = spawner.as_ref().unwrap_or(&up).send(&FromAgent::Failed(msg)).await;
+            return Ok(());
+        }
+    };
     let (grown_tx, mut grown_rx) = mpsc::unbounded_channel();
     let mut growing = 0;
     if let Some(j) = &h.joining {

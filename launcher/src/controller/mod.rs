@@ -170,6 +170,9 @@ struct AgentConn {
 enum Event {
     Msg(usize, FromAgent),
     Lost(usize, String),
+    /// An agent started through the remote shell has its handoff, and its channel
+    /// begins as it should (or why not).
+    HandedOff(usize, Result<(ChannelRead, ChannelWrite), String>),
     Arrival(Arrival),
 }
 
@@ -350,7 +353,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
         Some(pool) => {
             let nodes = u32::try_from(pool.names.len())?;
             let addrs = remote::serve(job, key.clone(), nodes, arr_tx.clone()).await?;
-            Some(remote::network(&pool.rsh, addrs)?)
+            Some(remote::network(&pool.rsh, &pool.names, addrs).await?)
         }
         None => None,
     };
@@ -400,6 +403,14 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
         // Still ended as a whole below: its agents told to abort, its socket and regions
         // removed.
         ctl.ending.get_or_insert(Ending::Reconfig(format!("the controller failed: {e:#}")));
+    }
+    // Agents on other hosts that got their handoff as the job ended are told to abort
+    // too, rather than left to the grace of `reap`.
+    while let Ok(ev) = events.try_recv() {
+        if let Event::HandedOff(a, Ok((rx, tx))) = ev {
+            ctl.agents[a].reader = Some(watch(&ctl.events, a, rx));
+            ctl.agents[a].tx = Some(tx);
+        }
     }
     let code = ctl.finish().await;
     // Answers to resize requests (a change completed as the job ended) are written
@@ -502,13 +513,27 @@ impl Ctl {
     /// Starts the agents of the initial layout.
     async fn start(&mut self) -> anyhow::Result<()> {
         for plan in self.spec.layout.nodes.clone() {
-            let (child, rx, mut tx, remote) = self.start_agent(plan.node)?;
+            let (child, mut rx, mut tx, remote) = self.start_agent(plan.node)?;
             let mut h = self.handoff(plan.node, plan.rank_ids().collect());
             h.adopt = self.spec.adopt.clone();
             h.remote = remote;
-            nonblocking::write_msg(&mut tx, &ToAgent::Handoff(Box::new(h))).await?;
+            let msg = ToAgent::Handoff(Box::new(h));
             let idx = self.agents.len();
-            let reader = Some(watch(&self.events, idx, rx));
+            let (mut reader, mut conn) = (None, None);
+            if remote {
+                // A remote shell may take long to connect (and to read the handoff):
+                // the hosts are reached side by side, and the job's signals and limits
+                // stay live meanwhile.
+                let (events, limit) = (self.events.clone(), self.fence_limit);
+                tokio::spawn(async move {
+                    let r = crate::spawn::hand_off_remote(&mut rx, &mut tx, &msg, limit).await;
+                    let _ = events.send(Event::HandedOff(idx, r.map(|()| (rx, tx))));
+                });
+            } else {
+                nonblocking::write_msg(&mut tx, &msg).await?;
+                reader = Some(watch(&self.events, idx, rx));
+                conn = Some(tx);
+            }
             for id in plan.rank_ids() {
                 self.host.insert(id, idx);
             }
@@ -518,7 +543,7 @@ impl Ctl {
                 child: Some(child),
                 remote,
                 reader,
-                tx: Some(tx),
+                tx: conn,
                 started: Vec::new(),
                 live: HashSet::new(),
                 done: false,
@@ -691,6 +716,17 @@ impl Ctl {
                     self.ending = Some(Ending::Node(node, why));
                 }
             }
+            Event::HandedOff(a, Ok((rx, tx))) => {
+                let reader = watch(&self.events, a, rx);
+                let ag = &mut self.agents[a];
+                ag.tx = Some(tx);
+                ag.reader = Some(reader);
+            }
+            Event::HandedOff(a, Err(why)) => {
+                if self.ending.is_none() {
+                    self.ending = Some(Ending::Node(self.agents[a].node, why));
+                }
+            }
             Event::Arrival(Arrival::Agent { node, token, pid, rx, tx, remote }) => {
                 self.on_hello(node, &token, (pid, remote), rx, tx);
                 // The growth reports and the new agents' hellos travel on different
@@ -771,10 +807,15 @@ impl Ctl {
                     f.fail(&self.explain(e));
                 }
                 for a in 0..self.agents.len() {
-                    if !self.agents[a].done {
-                        if let Some(tx) = self.agents[a].tx.as_mut() {
+                    let ag = &mut self.agents[a];
+                    match ag.tx.as_mut() {
+                        Some(tx) if !ag.done => {
                             let _ = nonblocking::write_msg(tx, &ToAgent::Abort).await;
                         }
+                        // The remote shell of an agent still being handed its settings
+                        // can take no abort: it is ended, and its agent with it.
+                        None if ag.remote && ag.child.is_some() && !ag.done => signal_group(ag.pid, libc::SIGTERM),
+                        _ => {}
                     }
                 }
                 e.code()

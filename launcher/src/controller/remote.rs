@@ -7,16 +7,23 @@ use super::socket::Arrival;
 use crate::proto::{Hello, Network};
 use ductile::bootstrap::nonblocking;
 use ductile_transport::{auth, JobId, JobKey, NodeId, Rank};
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 
 /// The controller's rank in the handshake with agents (which claim their node's number).
 pub const CONTROLLER_RANK: Rank = Rank(u32::MAX);
-/// Time a TCP connection has to authenticate and say hello.
+/// Time a TCP connection has to authenticate and say hello, in all.
 const GREET_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most connections greeted at once: agents arrive one per new node, so more means
+/// someone without the key is holding connections open.
+const MAX_GREETINGS: usize = 64;
+/// Refused connections logged one by one; after them, every 100th.
+const LOGGED_REFUSALS: u64 = 5;
 /// The remote shell when neither `--rsh` nor this variable names one.
 pub const RSH_ENV: &str = "DUCTILE_RSH";
 /// The default remote shell: never asks for a password, which nobody could type.
@@ -58,11 +65,16 @@ fn shell_safe(path: &str) -> bool {
     !path.is_empty() && path.bytes().all(|b| b.is_ascii_alphanumeric() || b"/._-+,:@%".contains(&b))
 }
 
-/// Listens on every address of this host for agents on other hosts; returns the
-/// addresses they may reach it at (this host's interfaces, loopback left out).
+/// Listens on each address of this host for agents on other hosts; returns the
+/// addresses they may reach it at (this host's IPv4 interfaces, loopback left out).
+///
+/// A peer that connects must prove the job key before anything is read beyond the
+/// handshake's fixed-size messages: at most [`MAX_GREETINGS`] connections are greeted
+/// at once (more are closed at once), each within [`GREET_TIMEOUT`] in all, and
+/// refusals are logged a few times, then counted.
 ///
 /// # Errors
-/// No address to offer, or the listener cannot be bound.
+/// No address to offer, or a listener cannot be bound.
 pub async fn serve(
     job: JobId,
     key: JobKey,
@@ -71,29 +83,53 @@ pub async fn serve(
 ) -> anyhow::Result<Vec<SocketAddr>> {
     let ips: Vec<_> = crate::netaddr::local_addrs()?.into_iter().filter(std::net::IpAddr::is_ipv4).collect();
     anyhow::ensure!(!ips.is_empty(), "this host has no IPv4 address (other than loopback) for other hosts to reach");
-    let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
-    let port = listener.local_addr()?.port();
     let me = auth::Identity { job, key, rank: CONTROLLER_RANK };
-    tokio::spawn(async move {
-        loop {
-            match listener.accept().await {
-                Ok((s, from)) => {
-                    let (me, tx) = (me.clone(), tx.clone());
-                    tokio::spawn(async move {
-                        let _ = s.set_nodelay(true);
-                        if let Err(e) = greet(s, &me, nodes, tx).await {
-                            tracing::warn!("control listener: refused {from}: {e:#}");
-                        }
-                    });
-                }
-                Err(e) => {
-                    tracing::warn!("control listener: accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+    let greeting = Arc::new(Semaphore::new(MAX_GREETINGS));
+    let refused = Arc::new(AtomicU64::new(0));
+    let mut addrs = Vec::with_capacity(ips.len());
+    for ip in ips {
+        let listener = TcpListener::bind((ip, 0)).await?;
+        addrs.push(listener.local_addr()?);
+        let (me, tx, greeting, refused) = (me.clone(), tx.clone(), greeting.clone(), refused.clone());
+        tokio::spawn(async move {
+            loop {
+                match listener.accept().await {
+                    Ok((s, from)) => {
+                        let Ok(permit) = greeting.clone().try_acquire_owned() else {
+                            note_refusal(&refused, from, "too many connections are being greeted");
+                            continue;
+                        };
+                        let (me, tx, refused) = (me.clone(), tx.clone(), refused.clone());
+                        tokio::spawn(async move {
+                            let _ = s.set_nodelay(true);
+                            let greeted = tokio::time::timeout(GREET_TIMEOUT, greet(s, &me, nodes, tx)).await;
+                            drop(permit);
+                            match greeted {
+                                Ok(Ok(())) => {}
+                                Ok(Err(e)) => note_refusal(&refused, from, &format!("{e:#}")),
+                                Err(_) => note_refusal(&refused, from, "it did not finish its greeting in time"),
+                            }
+                        });
+                    }
+                    Err(e) => {
+                        tracing::warn!("control listener: accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
                 }
             }
-        }
-    });
-    Ok(ips.into_iter().map(|ip| SocketAddr::new(ip, port)).collect())
+        });
+    }
+    Ok(addrs)
+}
+
+/// Logs a refused connection: the first [`LOGGED_REFUSALS`] each, then every 100th.
+fn note_refusal(count: &AtomicU64, from: SocketAddr, why: &str) {
+    let n = count.fetch_add(1, Ordering::Relaxed) + 1;
+    if n <= LOGGED_REFUSALS {
+        tracing::warn!("control listener: refused {from}: {why}");
+    } else if n % 100 == 0 {
+        tracing::warn!("control listener: {n} connections refused so far (the last from {from}: {why})");
+    }
 }
 
 /// Authenticates a TCP connection (the peer claims a node of the pool and must prove
@@ -112,6 +148,7 @@ where
             Ok(())
         }
         Hello::Agent { node: claimed, .. } => anyhow::bail!("authenticated as node {} but claims {claimed}", node.0),
+        Hello::Probe => Ok(()),
         other => anyhow::bail!("{other:?} is only taken on the control socket"),
     }
 }
@@ -121,7 +158,7 @@ where
 ///
 /// # Errors
 /// The launcher's own path cannot be passed through a remote shell.
-pub fn network(rsh: &[String], controller: Vec<SocketAddr>) -> anyhow::Result<Network> {
+pub async fn network(rsh: &[String], hosts: &[String], controller: Vec<SocketAddr>) -> anyhow::Result<Network> {
     let exe = std::env::current_exe()?.to_string_lossy().into_owned();
     anyhow::ensure!(shell_safe(&exe), "the launcher's path {exe:?} cannot be passed through a remote shell unquoted");
     let cwd = std::env::current_dir().map(|d| d.to_string_lossy().into_owned()).unwrap_or_default();
@@ -136,7 +173,26 @@ pub fn network(rsh: &[String], controller: Vec<SocketAddr>) -> anyhow::Result<Ne
             }
         }
     }
-    Ok(Network { controller, rsh: rsh.to_vec(), exe, env, cwd })
+    let here = here(hosts, &controller).await;
+    Ok(Network { controller, rsh: rsh.to_vec(), exe, env, cwd, here })
+}
+
+/// Time allowed to resolve the other hosts' names when choosing [`Network::here`].
+const RESOLVE_LIMIT: Duration = Duration::from_secs(2);
+
+/// The address ranks on this host bind to: this host's end of the route to the first
+/// other host whose name resolves (a name the remote shell reaches is on the network
+/// the job uses), else the first of `controller` (test hosts in namespaces, whose
+/// names are no host names).
+async fn here(hosts: &[String], controller: &[SocketAddr]) -> std::net::IpAddr {
+    for host in hosts.iter().filter(|h| !crate::hosts::is_local(h)) {
+        let found = tokio::time::timeout(RESOLVE_LIMIT, tokio::net::lookup_host((host.as_str(), 22))).await;
+        let route = found.ok().and_then(Result::ok).and_then(|mut a| a.find(SocketAddr::is_ipv4));
+        if let Some(ip) = route.and_then(|a| crate::netaddr::route_source(a).ok()).filter(|ip| !ip.is_loopback()) {
+            return ip;
+        }
+    }
+    controller.first().map_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), SocketAddr::ip)
 }
 
 #[cfg(test)]

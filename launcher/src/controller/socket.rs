@@ -244,6 +244,7 @@ async fn greet(s: UnixStream, tx: mpsc::UnboundedSender<Arrival>, answering: Ans
                 }
             }
         }
+        Hello::Probe => tracing::debug!("control socket: a probe from pid {pid}"),
         Hello::Status => {
             let (reply, answer) = tokio::sync::oneshot::channel();
             if tx.send(Arrival::Status { reply }).is_ok() {
