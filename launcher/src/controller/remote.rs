@@ -127,7 +127,7 @@ fn note_refusal(count: &AtomicU64, from: SocketAddr, why: &str) {
     let n = count.fetch_add(1, Ordering::Relaxed) + 1;
     if n <= LOGGED_REFUSALS {
         tracing::warn!("control listener: refused {from}: {why}");
-    } else if n % 100 == 0 {
+    } else if n.is_multiple_of(100) {
         tracing::warn!("control listener: {n} connections refused so far (the last from {from}: {why})");
     }
 }
