@@ -115,6 +115,61 @@ async fn forward_pieces<F: std::future::Future<Output = ()>>(
     }
 }
 
+/// What the printer thread does.
+enum Print {
+    /// Write these bytes to this stream.
+    Write(Stream, Vec<u8>),
+    /// Say when everything before has been written.
+    Flush(std::sync::mpsc::Sender<()>),
+}
+
+/// Pieces of output queued for the printer at most: a stdout that does not drain (a
+/// paused pager) then holds up the agents that send more, through their connections,
+/// not the controller's event loop.
+const PRINT_QUEUE: usize = 256;
+
+/// The printer: a thread that writes the output of ranks on other hosts (it arrives
+/// as messages on the controller's channels), so that a blocked stdout never blocks
+/// the controller itself.
+fn printer() -> &'static tokio::sync::mpsc::Sender<Print> {
+    static PRINTER: std::sync::OnceLock<tokio::sync::mpsc::Sender<Print>> = std::sync::OnceLock::new();
+    PRINTER.get_or_init(|| {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(PRINT_QUEUE);
+        let spawned = std::thread::Builder::new().name("ductile-printer".into()).spawn(move || {
+            while let Some(p) = rx.blocking_recv() {
+                match p {
+                    Print::Write(s, bytes) => {
+                        let _ = write_to(s, &bytes);
+                    }
+                    Print::Flush(done) => {
+                        let _ = done.send(());
+                    }
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!("cannot start the output thread ({e}); output from other hosts is lost");
+        }
+        tx
+    })
+}
+
+/// Prints a piece of a remote rank's output (waits while the printer's queue is full).
+pub async fn print(s: Stream, bytes: Vec<u8>) {
+    let _ = printer().send(Print::Write(s, bytes)).await;
+}
+
+/// Waits (at most `limit`) until everything [`print`] was given has been written.
+pub async fn printed(limit: std::time::Duration) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let flushed = async {
+        if printer().send(Print::Flush(tx)).await.is_ok() {
+            let _ = tokio::task::spawn_blocking(move || rx.recv()).await;
+        }
+    };
+    let _ = tokio::time::timeout(limit, flushed).await;
+}
+
 /// Writes `bytes` to this process's `to` stream.
 ///
 /// # Errors

@@ -15,8 +15,7 @@ use crate::proto::{
     AgentHandoff, ChannelRead, ChannelWrite, Exit, FromAgent, Network, RankStarted, ToAgent, Token, AGENT_VERSION,
 };
 use crate::report::{self, NodeReport, Report};
-use crate::spawn::{signal_group, spawn_with_channel, Input, Output};
-use anyhow::Context as _;
+use crate::spawn::{signal_group, Input};
 use ductile::bootstrap::nonblocking;
 use ductile_transport::{EndpointAddr, JobId, JobKey, NodeId, Rank};
 use reconfig::{Deferred, InFlight, Queued};
@@ -24,7 +23,6 @@ use socket::Arrival;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use tokio::net::UnixStream;
 use tokio::process::Child;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
@@ -50,6 +48,8 @@ pub const ABORT_GRACE: Duration = Duration::from_secs(5);
 pub const FAILED_CHECKPOINT_GRACE: Duration = Duration::from_secs(3);
 /// Exit code when `--timeout` ends the job.
 pub const TIMEOUT_EXIT: i32 = 124;
+/// Longest wait at the end of a job for the output of ranks on other hosts to be written.
+const PRINT_FLUSH: Duration = Duration::from_secs(5);
 /// Longest wait at the end of a job for the answers to resize requests to be written.
 const ANSWER_FLUSH: Duration = Duration::from_secs(1);
 /// Tests only: the job key, as 64 hex digits, so that a test can look for it where it
@@ -246,6 +246,12 @@ fn watch(events: &mpsc::UnboundedSender<Event>, idx: usize, mut rx: ChannelRead)
         loop {
             match nonblocking::read_msg::<FromAgent>(&mut rx).await {
                 Ok(m) => {
+                    if let FromAgent::Output(s, bytes) = m {
+                        // Written by the printer: waiting for room holds up this agent
+                        // only.
+                        crate::output::print(s, bytes).await;
+                        continue;
+                    }
                     if matches!(m, FromAgent::Done) {
                         let _ = evs.send(Event::Msg(idx, m));
                         let mut rest = [0u8; 64];
@@ -413,6 +419,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
         }
     }
     let code = ctl.finish().await;
+    crate::output::printed(PRINT_FLUSH).await;
     // Answers to resize requests (a change completed as the job ended) are written
     // before the process ends.
     answering.flushed(ANSWER_FLUSH).await;
@@ -452,62 +459,6 @@ impl Ctl {
             network: self.network.clone(),
             remote: false,
         }
-    }
-
-    /// The host of `node` if it is another than this one.
-    fn remote_host(&self, node: NodeId) -> Option<&str> {
-        let name = self.spec.hosts.as_ref()?.names.get(node.0 as usize)?;
-        (self.network.is_some() && !crate::hosts::is_local(name)).then_some(name.as_str())
-    }
-
-    /// The host of `node` as agents on any host name it: as the user wrote it, but
-    /// this host by its name, not as `localhost` or a loopback address.
-    fn host_name(&self, node: NodeId) -> Option<String> {
-        let name = self.spec.hosts.as_ref()?.names.get(node.0 as usize)?;
-        match crate::hosts::is_loopback(name) {
-            true => crate::netaddr::hostname().ok().or_else(|| Some(name.clone())),
-            false => Some(name.clone()),
-        }
-    }
-
-    /// `e` for the user: the node named with its host, on a job on hosts.
-    fn explain(&self, e: &Ending) -> String {
-        let text = e.describe();
-        let node = match e {
-            Ending::Rank(_, n, _) | Ending::Node(n, _) => *n,
-            _ => return text,
-        };
-        match self.host_name(node) {
-            Some(h) => text.replacen(&node.to_string(), &format!("{node} ({h})"), 1),
-            None => text,
-        }
-    }
-
-    /// Names the host of every node world `o` and its subtree start.
-    fn place(&self, o: &mut crate::proto::SpawnOrder) {
-        o.host = self.host_name(o.node);
-        for s in &mut o.spawns {
-            self.place(s);
-        }
-    }
-
-    /// Starts node `node`'s agent: here, with a channel as fd 3, or through the remote
-    /// shell; returns it, its channel, and whether it is remote.
-    fn start_agent(&self, node: NodeId) -> anyhow::Result<(Child, ChannelRead, ChannelWrite, bool)> {
-        if let (Some(host), Some(net)) = (self.remote_host(node), &self.network) {
-            let (child, rx, tx) = crate::spawn::spawn_remote(&net.rsh, host, &net.exe, true)
-                .with_context(|| format!("cannot start the remote shell `{}` for {host}", net.rsh.join(" ")))?;
-            return Ok((child, rx, tx, true));
-        }
-        let exe = std::env::current_exe()?;
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
-        let input = stdin_for(node, self.spec.adopt.is_some());
-        let child =
-            spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, (input, Output::Inherit), true, None)?;
-        drop(theirs);
-        ours.set_nonblocking(true)?;
-        let (rx, tx) = UnixStream::from_std(ours)?.into_split();
-        Ok((child, Box::new(rx), Box::new(tx), false))
     }
 
     /// Starts the agents of the initial layout.
@@ -776,9 +727,7 @@ impl Ctl {
                 }
             }
             FromAgent::GrowthReport { seq, result } => self.on_growth_report(seq, result).await,
-            FromAgent::Output(stream, bytes) => {
-                let _ = crate::output::write_to(stream, &bytes);
-            }
+            FromAgent::Output(stream, bytes) => crate::output::print(stream, bytes).await,
             FromAgent::Done => {
                 let ag = &mut self.agents[a];
                 ag.done = true;
@@ -795,6 +744,8 @@ impl Ctl {
 
     /// Ends the job: aborts every agent on failure, or waits for them to exit.
     async fn finish(&mut self) -> i32 {
+        // The ranks' last lines come before what the launcher says.
+        crate::output::printed(PRINT_FLUSH).await;
         if self.ending.is_none() {
             // Every rank ended within the grace, none with an error of its own: the
             // failed checkpoint is still the job's failure.

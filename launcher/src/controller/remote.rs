@@ -4,7 +4,11 @@
 //! about the network ([`Network`]).
 
 use super::socket::Arrival;
+use super::{stdin_for, Ending};
+use crate::proto::{ChannelRead, ChannelWrite};
 use crate::proto::{Hello, Network};
+use crate::spawn::{spawn_with_channel, Output};
+use anyhow::Context as _;
 use ductile::bootstrap::nonblocking;
 use ductile_transport::{auth, JobId, JobKey, NodeId, Rank};
 use std::net::SocketAddr;
@@ -13,6 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
+use tokio::net::UnixStream;
+use tokio::process::Child;
 use tokio::sync::{mpsc, Semaphore};
 
 /// The controller's rank in the handshake with agents (which claim their node's number).
@@ -193,6 +199,64 @@ async fn here(hosts: &[String], controller: &[SocketAddr]) -> std::net::IpAddr {
         }
     }
     controller.first().map_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), SocketAddr::ip)
+}
+
+impl super::Ctl {
+    /// The host of `node` if it is another than this one.
+    pub(super) fn remote_host(&self, node: NodeId) -> Option<&str> {
+        let name = self.spec.hosts.as_ref()?.names.get(node.0 as usize)?;
+        (self.network.is_some() && !crate::hosts::is_local(name)).then_some(name.as_str())
+    }
+
+    /// The host of `node` as agents on any host name it: as the user wrote it, but
+    /// this host by its name, not as `localhost` or a loopback address.
+    pub(super) fn host_name(&self, node: NodeId) -> Option<String> {
+        let name = self.spec.hosts.as_ref()?.names.get(node.0 as usize)?;
+        match crate::hosts::is_loopback(name) {
+            true => crate::netaddr::hostname().ok().or_else(|| Some(name.clone())),
+            false => Some(name.clone()),
+        }
+    }
+
+    /// `e` for the user: the node named with its host, on a job on hosts.
+    pub(super) fn explain(&self, e: &Ending) -> String {
+        let text = e.describe();
+        let node = match e {
+            Ending::Rank(_, n, _) | Ending::Node(n, _) => *n,
+            _ => return text,
+        };
+        match self.host_name(node) {
+            Some(h) => text.replacen(&node.to_string(), &format!("{node} ({h})"), 1),
+            None => text,
+        }
+    }
+
+    /// Names the host of every node world `o` and its subtree start.
+    pub(super) fn place(&self, o: &mut crate::proto::SpawnOrder) {
+        o.host = self.host_name(o.node);
+        for s in &mut o.spawns {
+            self.place(s);
+        }
+    }
+
+    /// Starts node `node`'s agent: here, with a channel as fd 3, or through the remote
+    /// shell; returns it, its channel, and whether it is remote.
+    pub(super) fn start_agent(&self, node: NodeId) -> anyhow::Result<(Child, ChannelRead, ChannelWrite, bool)> {
+        if let (Some(host), Some(net)) = (self.remote_host(node), &self.network) {
+            let (child, rx, tx) = crate::spawn::spawn_remote(&net.rsh, host, &net.exe, true)
+                .with_context(|| format!("cannot start the remote shell `{}` for {host}", net.rsh.join(" ")))?;
+            return Ok((child, rx, tx, true));
+        }
+        let exe = std::env::current_exe()?;
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
+        let input = stdin_for(node, self.spec.adopt.is_some());
+        let child =
+            spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, (input, Output::Inherit), true, None)?;
+        drop(theirs);
+        ours.set_nonblocking(true)?;
+        let (rx, tx) = UnixStream::from_std(ours)?.into_split();
+        Ok((child, Box::new(rx), Box::new(tx), false))
+    }
 }
 
 #[cfg(test)]
