@@ -71,6 +71,9 @@ RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace --all-features --lib 
 echo "== build (binaries, examples, tests)"
 cargo build --workspace --all-targets --locked "${FEATURES[@]}"
 echo "== tests"
+# The multi-host tests need root, iproute2 and sshd, all installed above: they must
+# run, not skip.
+export DUCTILE_TEST_REQUIRE_HOSTS=1
 cargo test --workspace --locked "${FEATURES[@]}"
 # Over shm, large messages go as bulk payloads only when they fan out (see the fabric
 # backend's `Bulk`); the conformance suite's pairs read them. Its second pass sends

@@ -251,7 +251,9 @@ impl Sshd {
     fn start(t: &TestHosts) -> Option<Sshd> {
         let sshd = std::path::Path::new("/usr/sbin/sshd");
         if !sshd.exists() {
-            eprintln!("SKIPPED: /usr/sbin/sshd (Debian's openssh-server) is not installed");
+            if let Err(e) = common::netns::skip::<()>("/usr/sbin/sshd (Debian's openssh-server) is not installed") {
+                panic!("{e}");
+            }
             return None;
         }
         let dir = tmp("sshd");
@@ -362,5 +364,13 @@ fn jobs_start_and_grow_over_ssh() {
     assert_eq!(job_processes_left(&t), Vec::<String>::new());
     // Ctrl-C: the agents on the hosts, children of their sshd, see their channels end.
     interrupt_resizes(&t, &rsh, &list);
+    assert_eq!(job_processes_left(&t), Vec::<String>::new());
+    // A rank that leaves a process in a session of its own: no controller is on its
+    // host to end it; its agent must.
+    let script = format!("setsid sleep 300 >/dev/null 2>&1 </dev/null & sleep 0.3; exec {}", ex("hello"));
+    let mut c = t.in_head(&ductile_bin());
+    c.args(["run", "--rsh", &rsh, "--timeout", JOB_LIMIT, "--hosts", &list, "--", "sh", "-c", &script]);
+    let out = output_within(&mut c);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(job_processes_left(&t), Vec::<String>::new());
 }

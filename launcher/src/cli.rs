@@ -66,7 +66,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE")]
     pub hostfile: Option<PathBuf>,
     /// The remote shell that starts node agents on other hosts: the words before the
-    /// host name (default: DUCTILE_RSH, then `ssh -o BatchMode=yes`). Every host must
+    /// host name (default: DUCTILE_RSH, then `ssh -T -o BatchMode=yes -o ConnectTimeout=10
+    /// -o ServerAliveInterval=10`). Every host must
     /// have the launcher and the program at the same paths.
     #[arg(long, value_name = "COMMAND")]
     pub rsh: Option<String>,
@@ -299,27 +300,8 @@ impl RunArgs {
     /// # Errors
     /// One line saying what is wrong.
     pub fn into_spec(self) -> Result<JobSpec, String> {
-        let pool = self.host_pool()?;
-        let slot_list = match &pool {
-            Some(hosts) => hosts
-                .iter()
-                .enumerate()
-                .map(|(i, h)| h.slots.unwrap_or_else(|| layout::slots_of(&self.slots, i)))
-                .collect(),
-            None => self.slots.clone(),
-        };
-        // On hosts, a job without -n or --nodes fills every slot of every host.
-        let nodes = match &pool {
-            Some(hosts) if self.n.is_none() => {
-                Some(self.nodes.unwrap_or(u32::try_from(hosts.len()).unwrap_or(u32::MAX)))
-            }
-            _ => self.nodes,
-        };
-        let layout = layout::plan_slots(self.n, nodes, &slot_list).map_err(|e| e.to_string())?;
+        let (pool, slot_list, layout) = self.placement()?;
         let initial = layout.nodes.len() as u32;
-        if let Some(hosts) = &pool {
-            check_fits(hosts.len(), initial, self.max_nodes)?;
-        }
         let steps_max = match &self.policy {
             PolicySpec::Steps(s) => s.iter().copied().max().unwrap_or(1),
             _ => 1,
@@ -408,6 +390,33 @@ impl RunArgs {
             quiet: self.quiet,
             hosts,
         })
+    }
+
+    /// The hosts (if given), the slots of every node of the pool, and the layout at
+    /// start.
+    #[allow(clippy::type_complexity)]
+    fn placement(&self) -> Result<(Option<Vec<crate::hosts::Host>>, Vec<u32>, layout::Layout), String> {
+        let pool = self.host_pool()?;
+        let slot_list = match &pool {
+            Some(hosts) => hosts
+                .iter()
+                .enumerate()
+                .map(|(i, h)| h.slots.unwrap_or_else(|| layout::slots_of(&self.slots, i)))
+                .collect(),
+            None => self.slots.clone(),
+        };
+        // On hosts, a job without -n or --nodes fills every slot of every host.
+        let nodes = match &pool {
+            Some(hosts) if self.n.is_none() => {
+                Some(self.nodes.unwrap_or(u32::try_from(hosts.len()).unwrap_or(u32::MAX)))
+            }
+            _ => self.nodes,
+        };
+        let layout = layout::plan_slots(self.n, nodes, &slot_list).map_err(|e| e.to_string())?;
+        if let Some(hosts) = &pool {
+            check_fits(hosts.len(), layout.nodes.len() as u32, self.max_nodes)?;
+        }
+        Ok((pool, slot_list, layout))
     }
 
     /// The hosts of --hosts or --hostfile, if given.

@@ -1,8 +1,10 @@
 //! # ductile-launcher
 //!
 //! The `ductile` command. `ductile run` is the job **controller**: it places ranks on
-//! (simulated local) nodes ([`layout`]), starts one **agent** per node ([`agent`]) with a
-//! private control channel ([`spawn`], [`proto`]), runs the bootstrap fence (every rank's
+//! nodes ([`layout`]), simulated on this host or one per host of `--hosts`/`--hostfile`
+//! ([`hosts`]), starts one **agent** per node ([`agent`]) with a private control channel
+//! ([`spawn`], [`proto`]; through a remote shell on other hosts, see
+//! [`controller::remote`]), runs the bootstrap fence (every rank's
 //! endpoint address gathered and the full table sent back), forwards output, and ends
 //! the job as a whole: exit code 0 if every rank exits 0, else the first failing rank's
 //! code, with the remaining ranks terminated. A **node world** (an agent and its ranks)

@@ -159,7 +159,7 @@ pub async fn print(s: Stream, bytes: Vec<u8>) {
     let _ = printer().send(Print::Write(s, bytes)).await;
 }
 
-/// Waits (at most `limit`) until everything [`print`] was given has been written.
+/// Waits (at most `limit`) until everything [`print()`] was given has been written.
 pub async fn printed(limit: std::time::Duration) {
     let (tx, rx) = std::sync::mpsc::channel();
     let flushed = async {

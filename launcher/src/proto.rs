@@ -74,7 +74,7 @@ pub struct Network {
     /// connect to the first that answers, and every agent binds its ranks to its own
     /// address on the route to the first.
     pub controller: Vec<SocketAddr>,
-    /// The remote shell: the words before the host name (`ssh -o BatchMode=yes`).
+    /// The remote shell: the words before the host name (`ssh -T -o BatchMode=yes ...`).
     pub rsh: Vec<String>,
     /// The launcher's path, the same on every host.
     pub exe: String,
@@ -180,7 +180,16 @@ pub enum ToAgent {
     /// Deliver this signal (SIGUSR1 or SIGUSR2, forwarded from `ductile run`) to every
     /// rank of the node.
     Signal(i32),
+    /// The controller is alive (sent every [`HEARTBEAT`] to agents on other hosts).
+    Heartbeat,
 }
+
+/// How often the controller tells agents on other hosts that it is alive.
+pub const HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(5);
+/// Silence after which an agent on another host ends its node world: the controller
+/// or the network to it is gone (a connection to a host that vanished may never say
+/// so).
+pub const HEARTBEAT_LOSS: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// How a process ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -253,6 +253,22 @@ fn children() -> Vec<(u32, bool)> {
 /// killed), within [`ADOPTION_GRACE`] (a process that cannot die, stuck in the kernel,
 /// is left); returns how many were still running.
 pub async fn end_adopted() -> usize {
+    end_adopted_except(&std::collections::HashSet::new()).await
+}
+
+/// Makes this process the reaper of its orphaned descendants (see [`end_adopted`]).
+pub fn become_subreaper() {
+    // SAFETY: prctl with PR_SET_CHILD_SUBREAPER only sets a flag on this process.
+    let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) };
+    if rc != 0 {
+        tracing::warn!("cannot become a subreaper: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// [`end_adopted`], sparing the children in `spare` (an agent's: the node worlds it
+/// started in growths, which live on without it).
+pub async fn end_adopted_except(spare: &std::collections::HashSet<u32>) -> usize {
+    let children = || -> Vec<(u32, bool)> { children().into_iter().filter(|(pid, _)| !spare.contains(pid)).collect() };
     // A process that is already on its way out (an agent whose channel has just
     // closed) is given a moment to finish on its own, not counted as left behind.
     let settle = tokio::time::Instant::now() + SETTLE;

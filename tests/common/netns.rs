@@ -59,12 +59,10 @@ impl TestHosts {
             return Err(format!("TestHosts::create({n}): at most 253 hosts fit in a /24"));
         }
         let Some(ip) = find_ip() else {
-            eprintln!("SKIPPED: `ip` (iproute2) not found; network-namespace test hosts need root and iproute2");
-            return Ok(None);
+            return skip("`ip` (iproute2) not found; network-namespace test hosts need root and iproute2");
         };
         if !is_root() {
-            eprintln!("SKIPPED: not running as root; network-namespace test hosts need root and iproute2");
-            return Ok(None);
+            return skip("not running as root; network-namespace test hosts need root and iproute2");
         }
         sweep_stale(&ip);
         let pid = std::process::id();
@@ -204,6 +202,19 @@ fn subnet(pid: u32, counter: u32) -> [u8; 3] {
 
 /// Whether this process's effective uid is 0 (from `/proc/self/status`, whose `Uid:` line
 /// lists the real, effective, saved and filesystem uids).
+/// Variable that turns a skip into a failure: `scripts/test.sh` sets it, as CI runs as
+/// root with iproute2 and openssh-server installed, so nothing is skipped there.
+pub const REQUIRE_ENV: &str = "DUCTILE_TEST_REQUIRE_HOSTS";
+
+/// Says loudly that a test is skipped, or fails when [`REQUIRE_ENV`] is set.
+pub fn skip<T>(why: &str) -> Result<Option<T>, String> {
+    if std::env::var_os(REQUIRE_ENV).is_some() {
+        return Err(format!("{why} ({REQUIRE_ENV} is set: the test hosts are required)"));
+    }
+    eprintln!("SKIPPED: {why}");
+    Ok(None)
+}
+
 fn is_root() -> bool {
     std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
         status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|ids| ids.split_whitespace().nth(1)) == Some("0")
@@ -270,6 +281,10 @@ fn kill_inside(ip: &Path, names: &[String]) {
             }
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+    let left: Vec<u32> = names.iter().flat_map(|ns| ns_pids(ip, ns)).filter(|&p| p != me).collect();
+    if !left.is_empty() {
+        eprintln!("WARNING: processes {left:?} still run in the test hosts {names:?} after 2 s of SIGKILL");
     }
 }
 

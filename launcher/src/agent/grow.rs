@@ -100,6 +100,9 @@ pub(super) async fn start_child(
         remote: remote.is_some() || h.remote,
         ..h.clone()
     };
+    if let Some(pid) = child.id() {
+        started_here().lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(pid);
+    }
     let msg = ToAgent::Handoff(Box::new(handoff));
     let t = Duration::from_millis(h.join_timeout_ms.max(1));
     let started = async {
@@ -129,4 +132,11 @@ pub(super) async fn start_child(
         tracing::debug!("{}: {node} has started", h.node);
         (node, rx)
     })
+}
+
+/// The processes this agent started for growths (agents, or remote shells): they live
+/// on when this agent ends, so its sweep of what its ranks left spares them.
+pub(super) fn started_here() -> &'static std::sync::Mutex<std::collections::HashSet<u32>> {
+    static STARTED: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<u32>>> = std::sync::OnceLock::new();
+    STARTED.get_or_init(Default::default)
 }

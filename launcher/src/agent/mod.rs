@@ -158,6 +158,10 @@ pub async fn run(stdio: bool) -> anyhow::Result<()> {
             }
         },
     };
+    if h.remote {
+        // What the ranks leave behind comes here to be ended (see `Supervisor`).
+        crate::spawn::become_subreaper();
+    }
     h.transport.bind_host = match bind_host(&h, via).await {
         Ok(b) => b,
         Err(e) => {
@@ -514,8 +518,20 @@ impl Supervisor {
         }
         drop(msg_tx);
         let mut controller_open = true;
+        // On another host than the controller's, silence means the controller (or the
+        // network to it) is gone: the node world ends rather than run on, orphaned.
+        let mut heard = tokio::time::Instant::now();
         while !world.procs.is_empty() || self.growing > 0 {
             tokio::select! {
+                () = tokio::time::sleep_until(heard + crate::proto::HEARTBEAT_LOSS), if self.h.remote && controller_open => {
+                    tracing::warn!(
+                        "{}: no word from the controller for {:?}; ending this node world",
+                        self.h.node,
+                        crate::proto::HEARTBEAT_LOSS
+                    );
+                    controller_open = false;
+                    end_ranks(world).await;
+                }
                 Some((rank, exit)) = world.exits.recv() => {
                     world.procs.remove(&rank);
                     let _ = self.up.send(&FromAgent::RankExited { rank, exit }).await;
@@ -526,7 +542,10 @@ impl Supervisor {
                     self.grown(dest, r).await;
                 }
                 m = up.recv(), if controller_open => match m {
-                    Some(Ok(msg)) => self.on_controller(world, msg).await,
+                    Some(Ok(msg)) => {
+                        heard = tokio::time::Instant::now();
+                        self.on_controller(world, msg).await;
+                    }
                     Some(Err(_)) | None => {
                         controller_open = false;
                         end_ranks(world).await;
@@ -552,6 +571,15 @@ impl Supervisor {
             let _ = tokio::time::timeout_at(deadline, f).await;
         }
         let _ = self.up.send(&FromAgent::Done).await;
+        if self.h.remote {
+            // No controller on this host sweeps what the ranks left (a child that
+            // outlived its rank was reparented here): this agent does.
+            let spare = grow::started_here().lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+            let ended = crate::spawn::end_adopted_except(&spare).await;
+            if ended > 0 {
+                tracing::warn!("{}: ended {ended} processes the ranks left running", self.h.node);
+            }
+        }
         Ok(())
     }
 
@@ -597,6 +625,7 @@ impl Supervisor {
             }
             ToAgent::Signal(sig) => tracing::warn!("{}: signal {sig} is not forwarded to ranks", self.h.node),
             ToAgent::Handoff(_) => tracing::warn!("{}: second handoff ignored", self.h.node),
+            ToAgent::Heartbeat => {}
         }
     }
 

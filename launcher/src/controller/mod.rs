@@ -310,16 +310,6 @@ fn stdin_for(node: NodeId, adopting: bool) -> Input {
     }
 }
 
-/// Makes this process the reaper of orphaned descendants: agents started by other
-/// agents outlive their spawner when it is released, and must still be reaped here.
-fn become_subreaper() {
-    // SAFETY: prctl with PR_SET_CHILD_SUBREAPER only sets a flag on this process.
-    let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) };
-    if rc != 0 {
-        tracing::warn!("cannot become a subreaper: {}", std::io::Error::last_os_error());
-    }
-}
-
 /// Reaps `pid` if it is an orphan that was reparented here; gives up after `grace` (or
 /// at once when it is someone else's child, whose parent reaps it).
 async fn reap_orphan(pid: u32, grace: Duration) {
@@ -345,7 +335,9 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     // agents start ends the job once they have (the default action would leave them
     // running, and the control socket behind).
     let mut signals = Signals::new()?;
-    become_subreaper();
+    // Agents started by other agents outlive their spawner when it is released, and
+    // must still be reaped here.
+    crate::spawn::become_subreaper();
     let job = JobId::random()?;
     let key = job_key()?;
     // Ranks' waits outlast the job's own limit a little, so that when --timeout ends
@@ -565,6 +557,8 @@ impl Ctl {
         let fence_deadline = tokio::time::Instant::now() + self.fence_limit;
         let initial = self.agents.len();
         let mut fenced = false;
+        let mut beat = tokio::time::interval(crate::proto::HEARTBEAT);
+        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             if !fenced && self.agents.iter().take(initial).all(|a| !a.started.is_empty()) {
                 self.fence().await;
@@ -597,6 +591,7 @@ impl Ctl {
                 _ = sig.hup.recv() => self.ending = Some(Ending::Signal(libc::SIGHUP)),
                 _ = sig.usr1.recv() => self.forward(libc::SIGUSR1).await,
                 _ = sig.usr2.recv() => self.forward(libc::SIGUSR2).await,
+                _ = beat.tick(), if self.network.is_some() => self.heartbeat().await,
                 () = sleep => {
                     let now = tokio::time::Instant::now();
                     if let (Some(d), Some(t)) = (job_deadline, self.spec.timeout) {

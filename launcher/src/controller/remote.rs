@@ -32,8 +32,10 @@ const MAX_GREETINGS: usize = 64;
 const LOGGED_REFUSALS: u64 = 5;
 /// The remote shell when neither `--rsh` nor this variable names one.
 pub const RSH_ENV: &str = "DUCTILE_RSH";
-/// The default remote shell: never asks for a password, which nobody could type.
-pub const DEFAULT_RSH: &str = "ssh -o BatchMode=yes";
+/// The default remote shell: never asks for a password (nobody could type it), gives
+/// up on a host that does not answer within 10 s, and notices one that stops
+/// answering within 30 s.
+pub const DEFAULT_RSH: &str = "ssh -T -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=10";
 
 /// Variables of `ductile run`'s environment not given to ranks on other hosts: they
 /// describe this host, this login or this terminal (`srun` leaves out the same kind).
@@ -63,6 +65,19 @@ fn forwarded(name: &str) -> bool {
         && !name.starts_with("SSH_")
         && !name.starts_with("DUCTILE_CONTROL")
         && name != super::TEST_KEY_ENV
+}
+
+/// Whether this process's stdin is a file or a pipe (data meant for rank 0), not a
+/// terminal or `/dev/null`.
+fn stdin_is_data() -> bool {
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat fills `st` for an open descriptor, or fails and leaves it unread.
+    if unsafe { libc::fstat(0, st.as_mut_ptr()) } != 0 {
+        return false;
+    }
+    // SAFETY: fstat succeeded, so `st` is initialised.
+    let mode = unsafe { st.assume_init() }.st_mode & libc::S_IFMT;
+    mode == libc::S_IFIFO || mode == libc::S_IFREG
 }
 
 /// A path the remote shell passes through the other host's shell as it is: no
@@ -202,6 +217,16 @@ async fn here(hosts: &[String], controller: &[SocketAddr]) -> std::net::IpAddr {
 }
 
 impl super::Ctl {
+    /// Tells every connected agent on another host that the controller is alive.
+    pub(super) async fn heartbeat(&mut self) {
+        for a in 0..self.agents.len() {
+            let ag = &self.agents[a];
+            if ag.remote && ag.tx.is_some() && !ag.done {
+                self.send(a, &crate::proto::ToAgent::Heartbeat).await;
+            }
+        }
+    }
+
     /// The host of `node` if it is another than this one.
     pub(super) fn remote_host(&self, node: NodeId) -> Option<&str> {
         let name = self.spec.hosts.as_ref()?.names.get(node.0 as usize)?;
@@ -243,6 +268,9 @@ impl super::Ctl {
     /// shell; returns it, its channel, and whether it is remote.
     pub(super) fn start_agent(&self, node: NodeId) -> anyhow::Result<(Child, ChannelRead, ChannelWrite, bool)> {
         if let (Some(host), Some(net)) = (self.remote_host(node), &self.network) {
+            if node == NodeId(0) && stdin_is_data() {
+                crate::say_errln!("ductile: rank 0 runs on {host}: the launcher's stdin is not passed on to it");
+            }
             let (child, rx, tx) = crate::spawn::spawn_remote(&net.rsh, host, &net.exe, true)
                 .with_context(|| format!("cannot start the remote shell `{}` for {host}", net.rsh.join(" ")))?;
             return Ok((child, rx, tx, true));
