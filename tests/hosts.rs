@@ -374,3 +374,42 @@ fn jobs_start_and_grow_over_ssh() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(job_processes_left(&t), Vec::<String>::new());
 }
+
+#[test]
+fn node_worlds_on_other_hosts_end_when_the_launcher_falls_silent() {
+    let Some(t) = hosts(2) else { return };
+    let list = format!("{}:2,{}:2", t.hosts()[0], t.hosts()[1]);
+    let fault = ex("fault");
+    let mut c = run_cmd(&t, &["--hosts", &list, "--", &fault, "hang"]);
+    // Agents hear from the launcher every 0.5 s and give up after 1.5 s of silence.
+    c.env("DUCTILE_TEST_HEARTBEAT_LOSS_MS", "1500");
+    let mut child = common::Running(c.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap());
+    let lines = lines_of(child.0.stdout.take().unwrap());
+    for _ in 0..4 {
+        let l = lines.recv_timeout(Duration::from_secs(30)).expect("every rank starts");
+        assert!(l.contains("waiting"), "{l}");
+    }
+    // Heartbeats keep them going while the launcher runs.
+    std::thread::sleep(Duration::from_secs(3));
+    let ranks_running = || {
+        t.pids()
+            .into_iter()
+            .filter(|p| std::fs::read_to_string(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.starts_with(&fault)))
+            .filter(|&p| common::is_alive(u64::from(p)))
+            .count()
+    };
+    assert_eq!(ranks_running(), 4);
+    // The launcher stops (as if its host had vanished): its agents end their ranks.
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.0.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while ranks_running() > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let left = ranks_running();
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).unwrap();
+    assert_eq!(left, 0, "ranks still running 15 s after the launcher stopped");
+    let status = wait_with_timeout(&mut child.0, Duration::from_secs(30));
+    assert_ne!(status.code(), Some(0));
+    assert_namespaces_empty(&t);
+}

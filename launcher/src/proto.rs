@@ -87,6 +87,9 @@ pub struct Network {
     /// on the route to the first other host whose name resolves, else the first of
     /// `controller`.
     pub here: std::net::IpAddr,
+    /// Silence from the controller after which an agent on another host ends its node
+    /// world, ms ([`HEARTBEAT_LOSS`]; tests shorten it).
+    pub heartbeat_loss_ms: u64,
 }
 
 /// A running process an agent adopts as its node world's rank.

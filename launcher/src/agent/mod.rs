@@ -521,14 +521,18 @@ impl Supervisor {
         // On another host than the controller's, silence means the controller (or the
         // network to it) is gone: the node world ends rather than run on, orphaned.
         let mut heard = tokio::time::Instant::now();
+        let loss = self
+            .h
+            .network
+            .as_ref()
+            .map_or(crate::proto::HEARTBEAT_LOSS, |n| Duration::from_millis(n.heartbeat_loss_ms));
         while !world.procs.is_empty() || self.growing > 0 {
             tokio::select! {
-                () = tokio::time::sleep_until(heard + crate::proto::HEARTBEAT_LOSS), if self.h.remote && controller_open => {
-                    tracing::warn!(
-                        "{}: no word from the controller for {:?}; ending this node world",
-                        self.h.node,
-                        crate::proto::HEARTBEAT_LOSS
-                    );
+                () = tokio::time::sleep_until(heard + loss), if self.h.remote && controller_open => {
+                    let why = format!("no word from the controller for {loss:?}, so its agent ended it");
+                    tracing::warn!("{}: {why}", self.h.node);
+                    // Said first: if the controller was only slow, it learns why.
+                    let _ = self.up.send(&FromAgent::Failed(why)).await;
                     controller_open = false;
                     end_ranks(world).await;
                 }

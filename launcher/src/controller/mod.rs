@@ -557,7 +557,9 @@ impl Ctl {
         let fence_deadline = tokio::time::Instant::now() + self.fence_limit;
         let initial = self.agents.len();
         let mut fenced = false;
-        let mut beat = tokio::time::interval(crate::proto::HEARTBEAT);
+        // Three heartbeats at least within the silence agents on other hosts accept.
+        let loss = self.network.as_ref().map_or(u64::MAX, |n| n.heartbeat_loss_ms / 3);
+        let mut beat = tokio::time::interval(crate::proto::HEARTBEAT.min(Duration::from_millis(loss.max(1))));
         beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             if !fenced && self.agents.iter().take(initial).all(|a| !a.started.is_empty()) {
@@ -726,6 +728,12 @@ impl Ctl {
             FromAgent::Done => {
                 let ag = &mut self.agents[a];
                 ag.done = true;
+                if !ag.live.is_empty() && !ag.abandoned && self.ending.is_none() {
+                    // An agent never ends before its ranks unless told to: it lost its
+                    // way (it says why first, as `Failed`).
+                    let why = format!("its agent ended while {} of its processes still ran", ag.live.len());
+                    self.ending = Some(Ending::Node(ag.node, why));
+                }
                 // Its connection closes: one per node world that ever left, otherwise,
                 // kept to the end of the job.
                 ag.tx = None;

@@ -195,7 +195,20 @@ pub async fn network(rsh: &[String], hosts: &[String], controller: Vec<SocketAdd
         }
     }
     let here = here(hosts, &controller).await;
-    Ok(Network { controller, rsh: rsh.to_vec(), exe, env, cwd, here })
+    let heartbeat_loss_ms = heartbeat_loss().as_millis().try_into().unwrap_or(u64::MAX);
+    Ok(Network { controller, rsh: rsh.to_vec(), exe, env, cwd, here, heartbeat_loss_ms })
+}
+
+/// Tests only: [`HEARTBEAT_LOSS`](crate::proto::HEARTBEAT_LOSS) in ms, so that a test
+/// can see an agent end its node world without waiting for the real one. Only debug
+/// builds (which the tests run) honour it.
+pub const TEST_HEARTBEAT_LOSS_ENV: &str = "DUCTILE_TEST_HEARTBEAT_LOSS_MS";
+
+/// The silence after which agents on other hosts end their node worlds.
+fn heartbeat_loss() -> Duration {
+    let asked =
+        std::env::var(TEST_HEARTBEAT_LOSS_ENV).ok().and_then(|v| v.parse().ok()).filter(|_| cfg!(debug_assertions));
+    asked.map_or(crate::proto::HEARTBEAT_LOSS, Duration::from_millis)
 }
 
 /// Time allowed to resolve the other hosts' names when choosing [`Network::here`].
