@@ -1,5 +1,6 @@
 //! Failure handling demo: `fault exit R CODE` makes rank R exit with CODE while the
-//! others wait for a message from it; `fault hang` makes every rank wait for a message
+//! others wait for a message from it; `fault chatter` makes every rank print lines
+//! without end; `fault hang` makes every rank wait for a message
 //! that never comes; `fault leave-crash CODE` reaches checkpoints until a shrink, where
 //! every released process exits with CODE instead of leaving cleanly; `fault join-crash
 //! CODE` reaches checkpoints until a growth, where every new process exits with CODE as
@@ -61,6 +62,13 @@ fn main() -> anyhow::Result<()> {
             println!("rank {r} waiting");
             world.recv::<u8>(None, Some(1))?;
         }
+        Some("chatter") => {
+            // Output without end (until the job is ended), as fast as it is taken.
+            println!("rank {r} waiting");
+            for line in 0u64.. {
+                println!("rank {r} line {line}");
+            }
+        }
         Some("signals") => {
             use tokio::signal::unix::{signal, SignalKind};
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -78,7 +86,7 @@ fn main() -> anyhow::Result<()> {
             world.barrier()?;
         }
         _ => bail!(
-            "usage: fault exit RANK CODE | fault hang | fault signals | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS"
+            "usage: fault exit RANK CODE | fault hang | fault chatter | fault signals | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS"
         ),
     }
     session.finalize()?;

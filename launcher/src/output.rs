@@ -120,7 +120,7 @@ enum Print {
     /// Write these bytes to this stream.
     Write(Stream, Vec<u8>),
     /// Say when everything before has been written.
-    Flush(std::sync::mpsc::Sender<()>),
+    Flush(tokio::sync::oneshot::Sender<()>),
 }
 
 /// Pieces of output queued for the printer at most: a stdout that does not drain (a
@@ -142,6 +142,8 @@ fn printer() -> &'static tokio::sync::mpsc::Sender<Print> {
                         let _ = write_to(s, &bytes);
                     }
                     Print::Flush(done) => {
+                        let _ = std::io::stdout().flush();
+                        let _ = std::io::stderr().flush();
                         let _ = done.send(());
                     }
                 }
@@ -161,10 +163,10 @@ pub async fn print(s: Stream, bytes: Vec<u8>) {
 
 /// Waits (at most `limit`) until everything [`print()`] was given has been written.
 pub async fn printed(limit: std::time::Duration) {
-    let (tx, rx) = std::sync::mpsc::channel();
+    let (tx, rx) = tokio::sync::oneshot::channel();
     let flushed = async {
         if printer().send(Print::Flush(tx)).await.is_ok() {
-            let _ = tokio::task::spawn_blocking(move || rx.recv()).await;
+            let _ = rx.await;
         }
     };
     let _ = tokio::time::timeout(limit, flushed).await;

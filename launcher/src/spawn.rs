@@ -123,8 +123,9 @@ pub fn spawn_remote(
     Ok((child, Box::new(stdout), Box::new(stdin)))
 }
 
-/// Hands an agent started through the remote shell its first message `msg` on `tx`,
-/// and checks that its channel on `rx` begins with [`STDIO_MAGIC`], all within `limit`.
+/// Checks that the channel (on `rx`) of an agent started through the remote shell
+/// begins with [`STDIO_MAGIC`], then hands it its first message `msg` on `tx`, all
+/// within `limit`.
 ///
 /// # Errors
 /// Why not, in words for the user: the time ran out, the remote shell ended, or what
@@ -137,11 +138,11 @@ pub async fn hand_off_remote(
 ) -> Result<(), String> {
     use tokio::io::AsyncReadExt as _;
     let exchange = async {
+        // The agent speaks first; what a shell printed instead is reported as such,
+        // and the handoff (the job key with it) goes only to an agent.
         let mut first = [0u8; STDIO_MAGIC.len()];
-        let (written, read) =
-            tokio::join!(ductile::bootstrap::nonblocking::write_msg(tx, msg), rx.read_exact(&mut first));
-        match (read, written) {
-            (Ok(_), _) if &first != STDIO_MAGIC => {
+        match rx.read_exact(&mut first).await {
+            Ok(_) if &first != STDIO_MAGIC => {
                 // Whatever else came with it, briefly, to show what the shell printed.
                 let mut more = [0u8; 240];
                 let n = tokio::time::timeout(std::time::Duration::from_millis(200), rx.read(&mut more)).await;
@@ -153,9 +154,10 @@ pub async fn hand_off_remote(
                     String::from_utf8_lossy(&seen)
                 ))
             }
-            (Ok(_), Ok(())) => Ok(()),
-            (Ok(_), Err(e)) => Err(format!("cannot hand the agent its settings: {e}")),
-            (Err(e), _) => Err(format!("the remote shell ended before the agent started ({e})")),
+            Ok(_) => ductile::bootstrap::nonblocking::write_msg(tx, msg)
+                .await
+                .map_err(|e| format!("cannot hand the agent its settings: {e}")),
+            Err(e) => Err(format!("the remote shell ended before the agent started ({e})")),
         }
     };
     match tokio::time::timeout(limit, exchange).await {
@@ -253,7 +255,7 @@ fn children() -> Vec<(u32, bool)> {
 /// killed), within [`ADOPTION_GRACE`] (a process that cannot die, stuck in the kernel,
 /// is left); returns how many were still running.
 pub async fn end_adopted() -> usize {
-    end_adopted_except(&std::collections::HashSet::new()).await
+    end_adopted_except(&|_| false).await
 }
 
 /// Makes this process the reaper of its orphaned descendants (see [`end_adopted`]).
@@ -265,10 +267,11 @@ pub fn become_subreaper() {
     }
 }
 
-/// [`end_adopted`], sparing the children in `spare` (an agent's: the node worlds it
-/// started in growths, which live on without it).
-pub async fn end_adopted_except(spare: &std::collections::HashSet<u32>) -> usize {
-    let children = || -> Vec<(u32, bool)> { children().into_iter().filter(|(pid, _)| !spare.contains(pid)).collect() };
+/// [`end_adopted`], sparing the children for which `spare` says so (an agent's: the
+/// node worlds it started in growths, which live on without it).
+pub async fn end_adopted_except(spare: &dyn Fn(u32) -> bool) -> usize {
+    // Every use below sees only the children not spared.
+    let children = || -> Vec<(u32, bool)> { children().into_iter().filter(|&(pid, _)| !spare(pid)).collect() };
     // A process that is already on its way out (an agent whose channel has just
     // closed) is given a moment to finish on its own, not counted as left behind.
     let settle = tokio::time::Instant::now() + SETTLE;

@@ -200,8 +200,6 @@ fn subnet(pid: u32, counter: u32) -> [u8; 3] {
     [10, (v >> 8) as u8, (v & 0xff) as u8]
 }
 
-/// Whether this process's effective uid is 0 (from `/proc/self/status`, whose `Uid:` line
-/// lists the real, effective, saved and filesystem uids).
 /// Variable that turns a skip into a failure: `scripts/test.sh` sets it, as CI runs as
 /// root with iproute2 and openssh-server installed, so nothing is skipped there.
 pub const REQUIRE_ENV: &str = "DUCTILE_TEST_REQUIRE_HOSTS";
@@ -215,6 +213,8 @@ pub fn skip<T>(why: &str) -> Result<Option<T>, String> {
     Ok(None)
 }
 
+/// Whether this process's effective uid is 0 (from `/proc/self/status`, whose `Uid:` line
+/// lists the real, effective, saved and filesystem uids).
 fn is_root() -> bool {
     std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
         status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|ids| ids.split_whitespace().nth(1)) == Some("0")

@@ -6,24 +6,79 @@ use super::*;
 
 /// The agent's channel to the controller (or to its spawner), shared by whoever
 /// reports on it: the supervisor and, on another host than the controller's, the
-/// forwarders of its ranks' output.
+/// forwarders of its ranks' output. Once declared [`lost`](Self::lose), nothing
+/// waits on it any more: a write to a controller that vanished could block for good.
 #[derive(Clone)]
-pub struct Uplink(Arc<tokio::sync::Mutex<ChannelWrite>>);
+pub struct Uplink {
+    w: Arc<tokio::sync::Mutex<ChannelWrite>>,
+    lost: Arc<AtomicBool>,
+}
 
 impl Uplink {
     pub(super) fn new(w: ChannelWrite) -> Self {
-        Self(Arc::new(tokio::sync::Mutex::new(w)))
+        Self { w: Arc::new(tokio::sync::Mutex::new(w)), lost: Arc::new(AtomicBool::new(false)) }
     }
 
-    /// Sends one message.
+    /// Sends one message (fails at once on a lost channel).
     pub(super) async fn send(&self, m: &FromAgent) -> Result<(), bootstrap::ControlError> {
-        nonblocking::write_msg(&mut *self.0.lock().await, m).await
+        if self.lost.load(Ordering::Acquire) {
+            return Err(std::io::Error::from(std::io::ErrorKind::NotConnected).into());
+        }
+        nonblocking::write_msg(&mut *self.w.lock().await, m).await
     }
 
-    /// Sends a piece of a rank's output (lost if the controller is gone).
+    /// Sends a piece of a rank's output (dropped if the controller is gone).
     pub async fn output(&self, s: Stream, bytes: Vec<u8>) {
         let _ = self.send(&FromAgent::Output(s, bytes)).await;
     }
+
+    /// Tries to send `m` for at most `limit`, then gives the channel up: later sends
+    /// fail at once, and output is dropped.
+    pub(super) async fn last_word(&self, m: &FromAgent, limit: Duration) {
+        let _ = tokio::time::timeout(limit, self.send(m)).await;
+        self.lost.store(true, Ordering::Release);
+    }
+}
+
+/// When the agent last heard from the controller, kept by the task that reads its
+/// channel (so a supervisor busy elsewhere does not mistake its own delay for silence).
+#[derive(Clone)]
+pub(super) struct Heard {
+    base: tokio::time::Instant,
+    ms: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Heard {
+    pub(super) fn new() -> Self {
+        Self { base: tokio::time::Instant::now(), ms: Arc::new(std::sync::atomic::AtomicU64::new(0)) }
+    }
+
+    /// Something came now.
+    pub(super) fn now(&self) {
+        let ms = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.ms.store(ms, Ordering::Release);
+    }
+
+    /// When something last came.
+    pub(super) fn last(&self) -> tokio::time::Instant {
+        self.base + Duration::from_millis(self.ms.load(Ordering::Acquire))
+    }
+}
+
+/// Reads the controller's messages into a channel, noting in `heard` when each came.
+pub(super) fn controller_reader(mut r: ChannelRead, heard: Heard) -> mpsc::UnboundedReceiver<Result<ToAgent, String>> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let m = nonblocking::read_msg::<ToAgent>(&mut r).await.map_err(|e| e.to_string());
+            heard.now();
+            let failed = m.is_err();
+            if tx.send(m).is_err() || failed {
+                return;
+            }
+        }
+    });
+    rx
 }
 
 /// The channel to whoever started this agent: fd 3 (see [`spawn_with_channel`]), or
@@ -128,34 +183,59 @@ pub(super) async fn connect(
 /// A TCP connection to the controller, both sides proven to hold the job key: all of
 /// its addresses are tried at once (an address of another network, or one that only
 /// exists on the controller's host, such as a container bridge's, may never answer),
-/// and the first that authenticates is kept, within the join timeout.
+/// and the first that authenticates is kept. Rounds that fail (the controller refuses
+/// connections while it greets many) are retried after a short pause, within the join
+/// timeout.
 ///
 /// # Errors
-/// None answered; the error names each address and what happened there.
+/// None answered in time; the error says what happened at each address.
 pub(super) async fn dial_controller(h: &AgentHandoff) -> anyhow::Result<tokio::net::TcpStream> {
     let net = h.network.as_ref().context("the job does not span hosts")?;
-    let limit = Duration::from_millis(h.join_timeout_ms.max(1));
-    let me = auth::Identity { job: h.job, key: h.key.clone(), rank: Rank(h.node.0) };
-    let attempts = net.controller.iter().map(|&addr| {
-        let me = me.clone();
-        Box::pin(async move {
-            let attempt = async {
-                let mut s = tokio::net::TcpStream::connect(addr).await?;
-                s.set_nodelay(true)?;
-                auth::dial(&mut s, &me, crate::controller::socket::CONTROLLER_RANK, limit).await?;
-                anyhow::Ok(s)
-            };
-            match tokio::time::timeout(limit, attempt).await {
-                Ok(r) => r.map_err(|e| format!("{addr}: {e:#}")),
-                Err(_) => Err(format!("{addr}: no answer within {limit:?}")),
-            }
-        })
-    });
     if net.controller.is_empty() {
         bail!("the controller has no address");
     }
-    match futures_util::future::select_ok(attempts).await {
-        Ok((s, _)) => Ok(s),
-        Err(last) => bail!("cannot reach the controller at any of its addresses (the last: {last})"),
+    let limit = Duration::from_millis(h.join_timeout_ms.max(1));
+    let deadline = tokio::time::Instant::now() + limit;
+    let me = auth::Identity { job: h.job, key: h.key.clone(), rank: Rank(h.node.0) };
+    // Agents that start together should not retry together.
+    let pause = Duration::from_millis(100 + u64::from(std::process::id() % 200));
+    loop {
+        let round = tokio::time::Instant::now() + DIAL_ROUND.min(deadline - tokio::time::Instant::now());
+        let mut attempts: futures_util::stream::FuturesUnordered<_> =
+            net.controller.iter().map(|&addr| dial_one(addr, &me, round)).collect();
+        let mut failures = Vec::new();
+        while let Some(r) = futures_util::StreamExt::next(&mut attempts).await {
+            match r {
+                Ok(s) => return Ok(s),
+                Err(e) => failures.push(e),
+            }
+        }
+        if tokio::time::Instant::now() + pause >= deadline {
+            bail!("cannot reach the controller within {limit:?}: {}", failures.join("; "));
+        }
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// Longest one round of [`dial_controller`] waits for its addresses.
+const DIAL_ROUND: Duration = Duration::from_secs(5);
+
+/// One authenticated connection to the controller at `addr`, by `deadline`.
+async fn dial_one(
+    addr: std::net::SocketAddr,
+    me: &auth::Identity,
+    deadline: tokio::time::Instant,
+) -> Result<tokio::net::TcpStream, String> {
+    let attempt = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.set_nodelay(true)?;
+        crate::netaddr::keep_alive(&s)?;
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        auth::dial(&mut s, me, crate::controller::socket::CONTROLLER_RANK, left).await?;
+        anyhow::Ok(s)
+    };
+    match tokio::time::timeout_at(deadline, attempt).await {
+        Ok(r) => r.map_err(|e| format!("{addr}: {e:#}")),
+        Err(_) => Err(format!("{addr}: no answer in time")),
     }
 }

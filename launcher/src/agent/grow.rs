@@ -100,7 +100,8 @@ pub(super) async fn start_child(
         remote: remote.is_some() || h.remote,
         ..h.clone()
     };
-    if let Some(pid) = child.id() {
+    let pid = child.id();
+    if let Some(pid) = pid {
         started_here().lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(pid);
     }
     let msg = ToAgent::Handoff(Box::new(handoff));
@@ -121,12 +122,15 @@ pub(super) async fn start_child(
     .await;
     if started.is_err() {
         // Nothing it started may outlive the failure: the agent, or the remote shell.
-        if let Some(pid) = child.id() {
+        if let Some(pid) = pid {
             crate::spawn::signal_group(pid, libc::SIGKILL);
         }
     }
     tokio::spawn(async move {
         let _ = child.wait().await;
+        if let Some(pid) = pid {
+            started_here().lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&pid);
+        }
     });
     started.map(|()| {
         tracing::debug!("{}: {node} has started", h.node);
@@ -134,9 +138,22 @@ pub(super) async fn start_child(
     })
 }
 
-/// The processes this agent started for growths (agents, or remote shells): they live
-/// on when this agent ends, so its sweep of what its ranks left spares them.
-pub(super) fn started_here() -> &'static std::sync::Mutex<std::collections::HashSet<u32>> {
+/// The processes this agent started for growths (agents, or remote shells) and that
+/// still run: they live on when this agent ends.
+fn started_here() -> &'static std::sync::Mutex<std::collections::HashSet<u32>> {
     static STARTED: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<u32>>> = std::sync::OnceLock::new();
     STARTED.get_or_init(Default::default)
+}
+
+/// Whether this agent's sweep of what its ranks left must spare child `pid`: one it
+/// started for a growth, or a node world's agent reparented here (this agent is a
+/// subreaper) when the agent that started it ended first.
+pub(super) fn spared(pid: u32) -> bool {
+    if started_here().lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(&pid) {
+        return true;
+    }
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe"));
+    let args = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let agent = args.split(|&b| b == 0).nth(1) == Some(b"agent".as_slice());
+    agent && exe.ok().zip(std::env::current_exe().ok()).is_some_and(|(a, b)| a == b)
 }

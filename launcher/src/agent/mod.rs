@@ -20,6 +20,7 @@ mod channel;
 mod grow;
 
 use crate::output::{forward, Sink, Stream};
+use crate::proto::HEARTBEAT_LOSS;
 use crate::proto::{
     Adopt, AgentHandoff, ChannelRead, ChannelWrite, Exit, FromAgent, Hello, Joining, NodeStarted, RankStarted,
     SpawnOrder, ToAgent,
@@ -28,7 +29,7 @@ use crate::proto::{AGENT_VERSION, STDIO_MAGIC};
 use crate::spawn::{signal_pid, spawn_with_channel, Input, Output};
 use anyhow::{bail, Context as _};
 pub use channel::Uplink;
-use channel::{bind_host, connect, parent_channel};
+use channel::{bind_host, connect, parent_channel, Heard};
 use ductile::bootstrap::{self, nonblocking, FromRank, RankHandoff, ToRank, CONTROL_FD_ENV, HANDOFF_VERSION};
 use ductile_transport::{auth, Rank};
 use grow::grow;
@@ -46,6 +47,8 @@ use tokio::net::UnixStream;
 use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
 
+/// How long an agent that lost the controller tries to tell it why.
+const LAST_WORD: Duration = Duration::from_secs(1);
 /// How long an agent waits for its handoff (its starter writes it at once).
 const HANDOFF_WAIT: Duration = Duration::from_secs(60);
 /// Time ranks get between SIGTERM and SIGKILL when a node world is ended.
@@ -180,7 +183,8 @@ pub async fn run(stdio: bool) -> anyhow::Result<()> {
         start_growth(&h, j.spawns.clone(), Dest::Spawner, &grown_tx);
         growing += 1;
     }
-    let mut up_msgs = reader(up_rx);
+    let heard = Heard::new();
+    let mut up_msgs = channel::controller_reader(up_rx, heard.clone());
     let report = spawner.clone().unwrap_or_else(|| up.clone());
     let mut world = match start_ranks(&h, &up).await {
         Ok(w) => w,
@@ -223,7 +227,7 @@ pub async fn run(stdio: bool) -> anyhow::Result<()> {
         up_msgs = rx;
     }
     let own = NodeStarted { node: h.node, agent_pid: std::process::id(), ranks: started };
-    let mut sup = Supervisor { h, up, spawner, own, grown_tx, growing };
+    let mut sup = Supervisor { h, up, heard, spawner, own, grown_tx, growing };
     sup.supervise(&mut world, up_msgs, grown_rx).await
 }
 
@@ -461,9 +465,41 @@ async fn await_ready(
     Ok(started)
 }
 
+/// Reads every rank's messages into one channel (with the testing delay of
+/// [`SWITCH_RELAY_DELAY_ENV`] on switch reports); an adopted rank's reader also notes
+/// that it finalized, and when its channel closes.
+fn watch_ranks(world: &mut NodeWorld) -> mpsc::UnboundedReceiver<(Rank, FromRank)> {
+    let (msg_tx, msgs) = mpsc::unbounded_channel();
+    let delay = std::env::var(SWITCH_RELAY_DELAY_ENV).ok().and_then(|v| v.parse().ok()).map(Duration::from_millis);
+    for (id, r) in world.readers.drain(..) {
+        let tx = msg_tx.clone();
+        let mut rx = reader::<FromRank, _>(r);
+        let adopted = world.adopted.as_ref().filter(|a| a.id == id).map(|a| (a.finalized.clone(), a.closed.clone()));
+        tokio::spawn(async move {
+            while let Some(Ok(m)) = rx.recv().await {
+                if let (Some((finalized, _)), FromRank::Finalized) = (&adopted, &m) {
+                    finalized.store(true, Ordering::Release);
+                }
+                if let (Some(d), FromRank::Switched { .. }) = (delay, &m) {
+                    tokio::time::sleep(d).await;
+                }
+                if tx.send((id, m)).is_err() {
+                    break;
+                }
+            }
+            if let Some((_, closed)) = adopted {
+                closed.notify_one();
+            }
+        });
+    }
+    msgs
+}
+
 struct Supervisor {
     h: AgentHandoff,
     up: Uplink,
+    /// When the controller last said something.
+    heard: Heard,
     spawner: Option<Uplink>,
     own: NodeStarted,
     grown_tx: mpsc::UnboundedSender<Grown>,
@@ -492,50 +528,29 @@ impl Supervisor {
         mut up: mpsc::UnboundedReceiver<Result<ToAgent, String>>,
         mut grown: mpsc::UnboundedReceiver<Grown>,
     ) -> anyhow::Result<()> {
-        let (msg_tx, mut msgs) = mpsc::unbounded_channel();
-        let delay = std::env::var(SWITCH_RELAY_DELAY_ENV).ok().and_then(|v| v.parse().ok()).map(Duration::from_millis);
-        for (id, r) in world.readers.drain(..) {
-            let tx = msg_tx.clone();
-            let mut rx = reader::<FromRank, _>(r);
-            let adopted =
-                world.adopted.as_ref().filter(|a| a.id == id).map(|a| (a.finalized.clone(), a.closed.clone()));
-            tokio::spawn(async move {
-                while let Some(Ok(m)) = rx.recv().await {
-                    if let (Some((finalized, _)), FromRank::Finalized) = (&adopted, &m) {
-                        finalized.store(true, Ordering::Release);
-                    }
-                    if let (Some(d), FromRank::Switched { .. }) = (delay, &m) {
-                        tokio::time::sleep(d).await;
-                    }
-                    if tx.send((id, m)).is_err() {
-                        break;
-                    }
-                }
-                if let Some((_, closed)) = adopted {
-                    closed.notify_one();
-                }
-            });
-        }
-        drop(msg_tx);
+        let mut msgs = watch_ranks(world);
         let mut controller_open = true;
         // On another host than the controller's, silence means the controller (or the
         // network to it) is gone: the node world ends rather than run on, orphaned.
-        let mut heard = tokio::time::Instant::now();
-        let loss = self
-            .h
-            .network
-            .as_ref()
-            .map_or(crate::proto::HEARTBEAT_LOSS, |n| Duration::from_millis(n.heartbeat_loss_ms));
+        let loss = self.h.network.as_ref().map_or(HEARTBEAT_LOSS, |n| Duration::from_millis(n.heartbeat_loss_ms));
         while !world.procs.is_empty() || self.growing > 0 {
+            let silent = self.heard.last() + loss;
             tokio::select! {
-                () = tokio::time::sleep_until(heard + loss), if self.h.remote && controller_open => {
-                    let why = format!("no word from the controller for {loss:?}, so its agent ended it");
-                    tracing::warn!("{}: {why}", self.h.node);
-                    // Said first: if the controller was only slow, it learns why.
-                    let _ = self.up.send(&FromAgent::Failed(why)).await;
-                    controller_open = false;
-                    end_ranks(world).await;
-                }
+                // What came meanwhile goes first: a busy loop is not a silent controller.
+                biased;
+                m = up.recv(), if controller_open => match m {
+                    Some(Ok(msg)) => self.on_controller(world, msg).await,
+                    Some(Err(why)) => {
+                        controller_open = false;
+                        let why = format!("its channel from the controller broke ({why}), so its agent ended it");
+                        self.up.last_word(&FromAgent::Failed(why), LAST_WORD).await;
+                        end_ranks(world).await;
+                    }
+                    None => {
+                        controller_open = false;
+                        end_ranks(world).await;
+                    }
+                },
                 Some((rank, exit)) = world.exits.recv() => {
                     world.procs.remove(&rank);
                     let _ = self.up.send(&FromAgent::RankExited { rank, exit }).await;
@@ -545,21 +560,35 @@ impl Supervisor {
                     self.growing = self.growing.saturating_sub(1);
                     self.grown(dest, r).await;
                 }
-                m = up.recv(), if controller_open => match m {
-                    Some(Ok(msg)) => {
-                        heard = tokio::time::Instant::now();
-                        self.on_controller(world, msg).await;
-                    }
-                    Some(Err(_)) | None => {
+                () = tokio::time::sleep_until(silent), if self.h.remote && controller_open => {
+                    if self.heard.last() + loss <= tokio::time::Instant::now() {
                         controller_open = false;
-                        end_ranks(world).await;
+                        self.lost_controller(world, loss).await;
                     }
-                },
+                }
             }
             if !controller_open && world.procs.is_empty() && self.growing == 0 {
                 break;
             }
         }
+        self.wind_up(world, msgs).await;
+        Ok(())
+    }
+
+    /// The controller fell silent: the ranks end first (nothing may wait on a channel
+    /// to a controller that vanished), then the agent says why, briefly, if it can.
+    async fn lost_controller(&mut self, world: &mut NodeWorld, loss: Duration) {
+        let why = format!("no word from the controller for {loss:?}, so its agent ended it");
+        tracing::warn!("{}: {why}", self.h.node);
+        let up = self.up.clone();
+        let said = tokio::spawn(async move { up.last_word(&FromAgent::Failed(why), LAST_WORD).await });
+        end_ranks(world).await;
+        let _ = said.await;
+    }
+
+    /// After the last rank: relays what they still said, waits for their output, ends
+    /// what they left running (on another host), and says `Done`.
+    async fn wind_up(&mut self, world: &mut NodeWorld, mut msgs: mpsc::UnboundedReceiver<(Rank, FromRank)>) {
         // A rank's last messages (a switch report sent just before it finalized) can
         // still be in its reader when its exit is seen: pass them on before leaving.
         let _ = tokio::time::timeout(DRAIN, async {
@@ -574,17 +603,17 @@ impl Supervisor {
         for f in world.forwarders.drain(..) {
             let _ = tokio::time::timeout_at(deadline, f).await;
         }
-        let _ = self.up.send(&FromAgent::Done).await;
         if self.h.remote {
             // No controller on this host sweeps what the ranks left (a child that
-            // outlived its rank was reparented here): this agent does.
-            let spare = grow::started_here().lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-            let ended = crate::spawn::end_adopted_except(&spare).await;
+            // outlived its rank was reparented here): this agent does, before it says
+            // it is done. Node worlds (agents) are spared: its own growths', and those
+            // reparented here when the agent that started them ended.
+            let ended = crate::spawn::end_adopted_except(&grow::spared).await;
             if ended > 0 {
                 tracing::warn!("{}: ended {ended} processes the ranks left running", self.h.node);
             }
         }
-        Ok(())
+        let _ = self.up.send(&FromAgent::Done).await;
     }
 
     async fn relay(&mut self, id: Rank, m: FromRank) {

@@ -40,6 +40,9 @@ const AGENT_JOIN_MARGIN: Duration = Duration::from_secs(5);
 fn agent_join_limit(fence: Duration) -> Duration {
     fence - (fence / 5).min(AGENT_JOIN_MARGIN)
 }
+/// Longest a message to an agent may take to be written: an agent reads its channel
+/// at all times, so one that does not is lost.
+const AGENT_WRITE_LIMIT: Duration = Duration::from_secs(10);
 /// Time agents get to end their node worlds before their process groups are killed.
 pub const ABORT_GRACE: Duration = Duration::from_secs(5);
 /// Time the ranks get to end on their own after one reports a failed checkpoint: the
@@ -519,7 +522,16 @@ impl Ctl {
     async fn send(&mut self, a: usize, msg: &ToAgent) {
         let ag = &mut self.agents[a];
         let (res, connected) = match ag.tx.as_mut() {
-            Some(tx) => (nonblocking::write_msg(tx, msg).await.map_err(|e| e.to_string()), true),
+            Some(tx) => match tokio::time::timeout(AGENT_WRITE_LIMIT, nonblocking::write_msg(tx, msg)).await {
+                Ok(r) => (r.map_err(|e| e.to_string()), true),
+                Err(_) => {
+                    // Half a message may have gone: the channel is unusable, and an
+                    // agent that reads nothing for so long is lost (on another host,
+                    // its host or the network to it may be gone).
+                    ag.tx = None;
+                    (Err(format!("a message to it made no progress for {AGENT_WRITE_LIMIT:?}")), false)
+                }
+            },
             None => (Err("it is not connected".to_string()), false),
         };
         if let Err(e) = res {
@@ -724,7 +736,8 @@ impl Ctl {
                 }
             }
             FromAgent::GrowthReport { seq, result } => self.on_growth_report(seq, result).await,
-            FromAgent::Output(stream, bytes) => crate::output::print(stream, bytes).await,
+            // `watch` passes output to the printer itself.
+            FromAgent::Output(..) => tracing::debug!("output reached the event loop"),
             FromAgent::Done => {
                 let ag = &mut self.agents[a];
                 ag.done = true;
@@ -764,7 +777,9 @@ impl Ctl {
                     let ag = &mut self.agents[a];
                     match ag.tx.as_mut() {
                         Some(tx) if !ag.done => {
-                            let _ = nonblocking::write_msg(tx, &ToAgent::Abort).await;
+                            let _ =
+                                tokio::time::timeout(AGENT_WRITE_LIMIT, nonblocking::write_msg(tx, &ToAgent::Abort))
+                                    .await;
                         }
                         // The remote shell of an agent still being handed its settings
                         // can take no abort: it is ended, and its agent with it.

@@ -28,6 +28,9 @@ const GREET_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most connections greeted at once: agents arrive one per new node, so more means
 /// someone without the key is holding connections open.
 const MAX_GREETINGS: usize = 64;
+/// Most connections held at once, greeted or waiting for their turn; more are closed
+/// at once.
+const MAX_WAITING: usize = 1024;
 /// Refused connections logged one by one; after them, every 100th.
 const LOGGED_REFUSALS: u64 = 5;
 /// The remote shell when neither `--rsh` nor this variable names one.
@@ -106,27 +109,38 @@ pub async fn serve(
     anyhow::ensure!(!ips.is_empty(), "this host has no IPv4 address (other than loopback) for other hosts to reach");
     let me = auth::Identity { job, key, rank: CONTROLLER_RANK };
     let greeting = Arc::new(Semaphore::new(MAX_GREETINGS));
+    let waiting = Arc::new(Semaphore::new(MAX_WAITING));
     let refused = Arc::new(AtomicU64::new(0));
     let mut addrs = Vec::with_capacity(ips.len());
     for ip in ips {
         let listener = TcpListener::bind((ip, 0)).await?;
         addrs.push(listener.local_addr()?);
         let (me, tx, greeting, refused) = (me.clone(), tx.clone(), greeting.clone(), refused.clone());
+        let waiting = waiting.clone();
         tokio::spawn(async move {
             loop {
                 match listener.accept().await {
                     Ok((s, from)) => {
-                        let Ok(permit) = greeting.clone().try_acquire_owned() else {
-                            note_refusal(&refused, from, "too many connections are being greeted");
+                        let Ok(waiting) = waiting.clone().try_acquire_owned() else {
+                            note_refusal(&refused, from, "too many connections are waiting to be greeted");
                             continue;
                         };
-                        let (me, tx, refused) = (me.clone(), tx.clone(), refused.clone());
+                        let (me, tx, refused, greeting) = (me.clone(), tx.clone(), refused.clone(), greeting.clone());
                         tokio::spawn(async move {
                             let _ = s.set_nodelay(true);
-                            let greeted = tokio::time::timeout(GREET_TIMEOUT, greet(s, &me, nodes, tx)).await;
-                            drop(permit);
+                            let _ = crate::netaddr::keep_alive(&s);
+                            // The wait for a turn counts in the greeting's time.
+                            let greeted = tokio::time::timeout(GREET_TIMEOUT, async {
+                                let _turn = greeting.acquire_owned().await;
+                                greet(s, &me, nodes, tx).await
+                            })
+                            .await;
+                            drop(waiting);
                             match greeted {
                                 Ok(Ok(())) => {}
+                                // An agent that got through at another of this host's
+                                // addresses first drops the rest of its attempts.
+                                Ok(Err(e)) if closed_early(&e) => tracing::debug!("control listener: {from} hung up"),
                                 Ok(Err(e)) => note_refusal(&refused, from, &format!("{e:#}")),
                                 Err(_) => note_refusal(&refused, from, "it did not finish its greeting in time"),
                             }
@@ -141,6 +155,16 @@ pub async fn serve(
         });
     }
     Ok(addrs)
+}
+
+/// Whether a greeting failed because the peer closed before it said anything wrong.
+fn closed_early(e: &anyhow::Error) -> bool {
+    let eof = |io: &std::io::Error| io.kind() == std::io::ErrorKind::UnexpectedEof;
+    match (e.downcast_ref::<auth::HandshakeError>(), e.downcast_ref::<ductile::bootstrap::ControlError>()) {
+        (Some(auth::HandshakeError::Io(io)), _) => eof(io),
+        (_, Some(ductile::bootstrap::ControlError::Io(io))) => eof(io),
+        _ => false,
+    }
 }
 
 /// Logs a refused connection: the first [`LOGGED_REFUSALS`] each, then every 100th.
@@ -219,14 +243,17 @@ const RESOLVE_LIMIT: Duration = Duration::from_secs(2);
 /// the job uses), else the first of `controller` (test hosts in namespaces, whose
 /// names are no host names).
 async fn here(hosts: &[String], controller: &[SocketAddr]) -> std::net::IpAddr {
-    for host in hosts.iter().filter(|h| !crate::hosts::is_local(h)) {
+    // All names at once, within one limit: a slow resolver costs it once.
+    let lookups = hosts.iter().filter(|h| !crate::hosts::is_local(h)).map(|host| async move {
         let found = tokio::time::timeout(RESOLVE_LIMIT, tokio::net::lookup_host((host.as_str(), 22))).await;
         let route = found.ok().and_then(Result::ok).and_then(|mut a| a.find(SocketAddr::is_ipv4));
-        if let Some(ip) = route.and_then(|a| crate::netaddr::route_source(a).ok()).filter(|ip| !ip.is_loopback()) {
-            return ip;
-        }
-    }
-    controller.first().map_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), SocketAddr::ip)
+        route.and_then(|a| crate::netaddr::route_source(a).ok()).filter(|ip| !ip.is_loopback())
+    });
+    let routes = futures_util::future::join_all(lookups).await;
+    let first = routes.into_iter().flatten().next();
+    first.unwrap_or_else(|| {
+        controller.first().map_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), SocketAddr::ip)
+    })
 }
 
 impl super::Ctl {
