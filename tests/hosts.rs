@@ -431,3 +431,50 @@ fn node_worlds_on_other_hosts_end_when_the_launcher_falls_silent() {
     assert!(log().contains("no word from the controller for 3s"), "{}", log());
     assert_namespaces_empty(&t);
 }
+
+#[test]
+fn the_job_key_is_in_no_process_log_or_report_on_any_host() {
+    let Some(t) = hosts(2) else { return };
+    let Some(sshd) = Sshd::start(&t) else { return };
+    sshd.await_ready(&t);
+    let (hex, leaks) = common::test_key();
+    let list = format!("{}:2,{}:2", t.host_addr(0), t.host_addr(1));
+    let report = tmp("hosts-key.json");
+    let jacobi = ex("jacobi");
+    let mut c = t.in_head(&ductile_bin());
+    c.args(["run", "--rsh", &sshd.rsh(), "--timeout", JOB_LIMIT, "--hosts", &list, "--nodes", "1"]);
+    c.args(["--policy", "steps:2,1", "--report", &report.display().to_string(), "--"]);
+    c.args([&jacobi, "--points", "200000", "--iters", "1000", "--every", "300"]);
+    c.env("DUCTILE_TEST_JOB_KEY", &hex).env("DUCTILE_LOG", "debug");
+    let mut job = common::Running(c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
+    let launcher = job.0.id();
+    let (out, err) = (lines_of(job.0.stdout.take().unwrap()), lines_of(job.0.stderr.take().unwrap()));
+    let mut seen = std::collections::BTreeSet::new();
+    let start = Instant::now();
+    while job.0.try_wait().unwrap().is_none() {
+        assert!(start.elapsed() < Duration::from_secs(60), "the job did not end");
+        // Every process on the hosts (agents under sshd, their ranks, sshd's sessions),
+        // and on the head but the launcher itself (which read the variable).
+        for pid in t.pids().into_iter().filter(|&p| p != launcher) {
+            for file in ["cmdline", "environ"] {
+                let Ok(bytes) = std::fs::read(format!("/proc/{pid}/{file}")) else { continue };
+                let text = String::from_utf8_lossy(&bytes).replace('\0', " ");
+                if text.starts_with(&ductile_bin().display().to_string()) && text.contains(" run ") {
+                    // A child the launcher forked and has not exec'd yet: a copy of it.
+                    continue;
+                }
+                leaks(&format!("the {file} of process {pid}"), &text);
+                assert!(!text.contains("DUCTILE_TEST_JOB_KEY"), "process {pid} has the test key's variable");
+            }
+            seen.insert(pid);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(job.0.wait().unwrap().success());
+    assert!(seen.len() >= 4, "only {} processes were seen: {seen:?}", seen.len());
+    let text: Vec<String> = out.try_iter().chain(err.try_iter()).collect();
+    let text = text.join("\n");
+    assert!(text.contains("checksum") && text.contains("for tests only"), "{text}");
+    leaks("the job's output and logs", &text);
+    leaks("the report", &std::fs::read_to_string(&*report).unwrap());
+}

@@ -392,36 +392,12 @@ fn sigusr1_and_sigusr2_reach_every_rank_and_the_job_goes_on() {
     assert_no_survivors(&report);
 }
 
-/// Standard base64 of `bytes`, with and without its padding.
-fn base64(bytes: &[u8]) -> [String; 2] {
-    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut s = String::new();
-    for c in bytes.chunks(3) {
-        let n = c.iter().enumerate().fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
-        for k in 0..=c.len() {
-            s.push(ABC[(n >> (18 - 6 * k) & 63) as usize] as char);
-        }
-    }
-    let bare = s.clone();
-    while !s.len().is_multiple_of(4) {
-        s.push('=');
-    }
-    [s, bare]
-}
-
 #[test]
 fn the_job_key_is_in_no_command_line_environment_log_or_report() {
     // A key the test knows (the launcher takes it from DUCTILE_TEST_JOB_KEY, which
     // nothing it starts inherits), looked for as hex, base64 and a byte list while a job
     // grows 1 -> 3 nodes and shrinks back, with every log line on.
-    let key: Vec<u8> = (0..32u8).map(|i| i.wrapping_mul(37).wrapping_add(11)).collect();
-    let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
-    let [padded, bare] = base64(&key);
-    let forms = [hex.clone(), hex.to_uppercase(), padded, bare, format!("{key:?}")];
-    let leaks = |what: &str, text: &str| {
-        let found: Vec<&String> = forms.iter().filter(|f| text.contains(f.as_str())).collect();
-        assert!(found.is_empty(), "the job key is in {what}: {found:?}");
-    };
+    let (hex, leaks) = common::test_key();
     let report = tmp("key.json");
     let mark = format!("key-{}", std::process::id());
     let jacobi = ex("jacobi");

@@ -197,4 +197,35 @@ pub fn lines_of(r: impl std::io::Read + Send + 'static) -> std::sync::mpsc::Rece
     rx
 }
 
+/// Standard base64 of `bytes`, with and without its padding.
+pub fn base64(bytes: &[u8]) -> [String; 2] {
+    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut s = String::new();
+    for c in bytes.chunks(3) {
+        let n = c.iter().enumerate().fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for k in 0..=c.len() {
+            s.push(ABC[(n >> (18 - 6 * k) & 63) as usize] as char);
+        }
+    }
+    let bare = s.clone();
+    while !s.len().is_multiple_of(4) {
+        s.push('=');
+    }
+    [s, bare]
+}
+
+/// A job key the tests know (as `DUCTILE_TEST_JOB_KEY` takes it, in hex), and a check
+/// that fails the test when a text holds it as hex, base64 or a byte list.
+pub fn test_key() -> (String, impl Fn(&str, &str)) {
+    let key: Vec<u8> = (0..32u8).map(|i| i.wrapping_mul(37).wrapping_add(11)).collect();
+    let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+    let [padded, bare] = base64(&key);
+    let forms = [hex.clone(), hex.to_uppercase(), padded, bare, format!("{key:?}")];
+    let leaks = move |what: &str, text: &str| {
+        let found: Vec<&String> = forms.iter().filter(|f| text.contains(f.as_str())).collect();
+        assert!(found.is_empty(), "the job key is in {what}: {found:?}");
+    };
+    (hex, leaks)
+}
+
 pub mod netns;
