@@ -413,6 +413,14 @@ fn node_worlds_on_other_hosts_end_when_the_launcher_falls_silent() {
     };
     let log = || std::fs::read_to_string(&*stderr).unwrap_or_default();
     assert_eq!(ranks_running(), 4, "{}", log());
+    // `ductile status` names each node's host.
+    let first = log().lines().next().unwrap_or_default().to_string();
+    let job = first.strip_prefix("ductile: job ").and_then(|r| r.split(',').next()).expect("the job's id");
+    let status = output_within(&mut common::ductile(&["status", job]));
+    let status = text(&status.stdout);
+    for (node, host) in t.hosts().iter().enumerate() {
+        assert!(status.contains(&format!("node {node} on {host} ")), "{status}");
+    }
     // The launcher stops (as if its host had vanished): its agents end their ranks.
     let pid = nix::unistd::Pid::from_raw(i32::try_from(child.0.id()).unwrap());
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
