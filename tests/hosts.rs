@@ -192,6 +192,22 @@ fn a_remote_shell_that_hangs_ends_within_the_limits_even_with_a_large_environmen
 }
 
 #[test]
+fn a_job_runs_on_the_hosts_of_a_slurm_allocation() {
+    let Some(t) = hosts(2) else { return };
+    // As Slurm writes them: a hostlist expression and run-length task counts.
+    let h = t.hosts();
+    let list = format!("{}[0-1]", h[0].strip_suffix('0').unwrap());
+    let mut c = run_cmd(&t, &["--slurm", "--tag-output", &ex("hello")]);
+    let out = output_within(c.env("SLURM_JOB_NODELIST", &list).env("SLURM_TASKS_PER_NODE", "3(x2)"));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    for r in 0..6 {
+        assert!(stdout.contains(&format!("hello from rank {r} of 6 on node {} of 2", r / 3)), "{stdout}");
+    }
+    assert_namespaces_empty(&t);
+}
+
+#[test]
 fn an_unreachable_host_is_a_clear_error_and_leaves_nothing() {
     let Some(t) = hosts(1) else { return };
     let list = format!("{},no-such-host", t.hosts()[0]);

@@ -124,7 +124,8 @@ fn bad_command_lines_get_one_clear_line() {
         (&["run", "--hosts", "a,b", "-n", "3", "--", "true"], "the job needs 3 nodes, but there are 2 hosts"),
         (&["run", "--hosts", "a,b", "--max-nodes", "3", "--", "true"], "--max-nodes 3 is more than the 2 hosts"),
         (&["run", "--hosts", "a", "--hostfile", "f", "--", "true"], "cannot be used with"),
-        (&["run", "--rsh", "ssh", "--", "true"], "--rsh needs --hosts or --hostfile"),
+        (&["run", "--rsh", "ssh", "--", "true"], "--rsh needs --hosts, --hostfile or --slurm"),
+        (&["run", "--slurm", "--hosts", "a", "--", "true"], "cannot be used with"),
         (&["run", "--hosts", "a", "--rsh", " ", "--", "true"], "--rsh is empty"),
         (&["run", "--report", "/nonexistent-dir/r.json", "--", "true"], "/nonexistent-dir is not a directory"),
         (&["run", "--report", "/tmp", "--", "true"], "cannot write the report to /tmp: it is a directory"),
@@ -137,6 +138,14 @@ fn bad_command_lines_get_one_clear_line() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: {err}");
+    }
+    let slurm = [("SLURM_JOB_NODELIST", "n[1-"), ("SLURM_TASKS_PER_NODE", "2")];
+    for (vars, want) in [(&slurm[..0], "--slurm needs a Slurm allocation"), (&slurm[..], "a `[` without its `]`")] {
+        let mut c = ductile(&["run", "--slurm", "--", "true"]);
+        c.env_remove("SLURM_JOB_NODELIST").env_remove("SLURM_TASKS_PER_NODE").envs(vars.iter().copied());
+        let out = c.output().expect("start ductile");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.lines().count() == 1 && err.contains(want), "{vars:?}: {err}");
     }
     for (var, value) in [("DUCTILE_SPIN_US", "x"), ("DUCTILE_BACKGROUND_SHARE", "2"), ("DUCTILE_HUGE_PAGES", "yes")] {
         let out = ductile(&["run", "-n", "2", "--", "true"]).env(var, value).output().expect("start ductile");

@@ -65,6 +65,11 @@ pub struct RunArgs {
     /// name repeated adds slots (as in a PBS node file).
     #[arg(long, value_name = "FILE")]
     pub hostfile: Option<PathBuf>,
+    /// Run on the hosts of the Slurm allocation `ductile run` is in (SLURM_JOB_NODELIST,
+    /// slots from SLURM_TASKS_PER_NODE), starting agents with `srun` unless --rsh or
+    /// DUCTILE_RSH names another remote shell.
+    #[arg(long, conflicts_with_all = ["hosts", "hostfile"])]
+    pub slurm: bool,
     /// The remote shell that starts node agents on other hosts: the words before the
     /// host name (default: DUCTILE_RSH, then `ssh -T -o BatchMode=yes -o ConnectTimeout=10
     /// -o ServerAliveInterval=10`). Every host must
@@ -357,7 +362,10 @@ impl RunArgs {
         ductile::env::EnvSettings::from_env().map_err(|e| format!("{e} (the ranks would inherit it)"))?;
         let hosts = pool.map(|h| crate::controller::HostPool {
             names: h.into_iter().map(|h| h.name).collect(),
-            rsh: rsh_words(self.rsh.as_deref()),
+            rsh: rsh_words(
+                self.rsh.as_deref(),
+                if self.slurm { crate::slurm::SRUN_RSH } else { crate::controller::remote::DEFAULT_RSH },
+            ),
         });
         Ok(JobSpec {
             layout,
@@ -423,12 +431,13 @@ impl RunArgs {
     fn host_pool(&self) -> Result<Option<Vec<crate::hosts::Host>>, String> {
         let hosts = match (&self.hosts, &self.hostfile) {
             (Some(list), _) => crate::hosts::parse_list(list).map_err(|e| format!("--hosts: {e}"))?,
+            (None, _) if self.slurm => crate::slurm::from_env().map_err(|e| e.to_string())?,
             (None, Some(path)) => {
                 let text =
                     read_hostfile(path).map_err(|e| format!("cannot read the hostfile {}: {e}", path.display()))?;
                 crate::hosts::parse_file(&text).map_err(|e| format!("{}: {e}", path.display()))?
             }
-            (None, None) if self.rsh.is_some() => return Err("--rsh needs --hosts or --hostfile".into()),
+            (None, None) if self.rsh.is_some() => return Err("--rsh needs --hosts, --hostfile or --slurm".into()),
             (None, None) => return Ok(None),
         };
         if hosts.is_empty() {
@@ -474,9 +483,9 @@ fn check_fits(hosts: usize, initial: u32, max: Option<u32>) -> Result<(), String
     }
 }
 
-/// The remote shell's words: `--rsh`, else `DUCTILE_RSH`, else the default.
-fn rsh_words(given: Option<&str>) -> Vec<String> {
+/// The remote shell's words: `--rsh`, else `DUCTILE_RSH`, else `default`.
+fn rsh_words(given: Option<&str>, default: &str) -> Vec<String> {
     let from_env = std::env::var(crate::controller::remote::RSH_ENV).ok().filter(|v| !v.trim().is_empty());
-    let text = given.map(str::to_owned).or(from_env).unwrap_or_else(|| crate::controller::remote::DEFAULT_RSH.into());
+    let text = given.map(str::to_owned).or(from_env).unwrap_or_else(|| default.into());
     text.split_whitespace().map(str::to_owned).collect()
 }

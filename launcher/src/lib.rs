@@ -33,4 +33,5 @@ pub mod policy;
 pub mod preview;
 pub mod proto;
 pub mod report;
+pub mod slurm;
 pub mod spawn;
