@@ -6,7 +6,7 @@ use super::*;
 
 /// The agent's channel to the controller (or to its spawner), shared by whoever
 /// reports on it: the supervisor and, on another host than the controller's, the
-/// forwarders of its ranks' output. Once declared [`lost`](Self::lose), nothing
+/// forwarders of its ranks' output. Once given up (see [`last_word`](Self::last_word)), nothing
 /// waits on it any more: a write to a controller that vanished could block for good.
 #[derive(Clone)]
 pub struct Uplink {
