@@ -165,29 +165,35 @@ fn a_job_on_this_host_and_others_grows_and_shrinks_across_them() {
 #[test]
 fn a_remote_shell_that_hangs_ends_within_the_limits_even_with_a_large_environment() {
     let Some(t) = hosts(1) else { return };
-    // The remote shell says its pid, then never starts anything.
-    let script = tmp("hanging-rsh.sh");
-    let pids = tmp("hanging-rsh.pids");
-    std::fs::write(&*script, format!("#!/bin/sh\necho $$ >> {}\nexec sleep 1000\n", pids.display())).unwrap();
-    std::fs::set_permissions(&*script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let started = Instant::now();
-    let list = format!("{},{}", t.hosts()[0], "other-host");
-    let mut c = t.in_head(&ductile_bin());
-    c.args(["run", "--hosts", &list, "--rsh", &script.display().to_string(), "--join-timeout", "2", &ex("hello")]);
-    for i in 0..4 {
-        // More than a pipe holds (each under the kernel's 128 KiB limit for one
-        // variable): the handoff cannot be written while nothing reads it.
-        c.env(format!("LARGE_TEST_VAR_{i}"), "x".repeat(50_000));
-    }
-    let out = output_within(&mut c);
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("did not start"), "{stderr}");
-    assert!(started.elapsed() < Duration::from_secs(20), "took {:?}: {stderr}", started.elapsed());
-    let started: Vec<u32> = std::fs::read_to_string(&*pids).unwrap().lines().map(|l| l.parse().unwrap()).collect();
-    assert_eq!(started.len(), 2, "{started:?}");
-    for pid in started {
-        assert!(!common::is_alive(u64::from(pid)), "remote shell {pid} survived the job");
+    // Remote shells that say their pid, then: start nothing (silent), or begin an
+    // agent's channel and never read what follows (a handoff larger than a pipe holds).
+    let silent = ("silent", "");
+    let deaf = ("deaf", r"printf '\000ductile-agent8\n'");
+    for ((name, begin), want) in [(silent, "the remote shell"), (deaf, "did not start through the remote shell")] {
+        let script = tmp(&format!("{name}-rsh.sh"));
+        let pids = tmp(&format!("{name}-rsh.pids"));
+        let body = format!("#!/bin/sh\necho $$ >> {}\n{begin}\nexec sleep 1000\n", pids.display());
+        std::fs::write(&*script, body).unwrap();
+        std::fs::set_permissions(&*script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let started = Instant::now();
+        let list = format!("{},{}", t.hosts()[0], "other-host");
+        let mut c = t.in_head(&ductile_bin());
+        c.args(["run", "--hosts", &list, "--rsh", &script.display().to_string(), "--join-timeout", "3"]);
+        c.arg(ex("hello"));
+        for i in 0..4 {
+            // Each under the kernel's 128 KiB limit for one variable.
+            c.env(format!("LARGE_TEST_VAR_{i}"), "x".repeat(50_000));
+        }
+        let out = output_within(&mut c);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {stderr}");
+        assert!(stderr.contains(want), "{name}: {stderr}");
+        assert!(started.elapsed() < Duration::from_secs(20), "{name} took {:?}: {stderr}", started.elapsed());
+        let shells: Vec<u32> = std::fs::read_to_string(&*pids).unwrap().lines().map(|l| l.parse().unwrap()).collect();
+        assert_eq!(shells.len(), 2, "{name}: {shells:?}");
+        for pid in shells {
+            assert!(!common::is_alive(u64::from(pid)), "{name}: remote shell {pid} survived the job");
+        }
     }
 }
 
@@ -499,6 +505,8 @@ fn the_job_key_is_in_no_process_log_or_report_on_any_host() {
     let text: Vec<String> = out.try_iter().chain(err.try_iter()).collect();
     let text = text.join("\n");
     assert!(text.contains("checksum") && text.contains("for tests only"), "{text}");
+    // The agents on the hosts log at debug too (the spawner says when node 1 started).
+    assert!(text.contains("DEBUG") && text.contains("node 1 has started"), "{text}");
     leaks("the job's output and logs", &text);
     leaks("the report", &std::fs::read_to_string(&*report).unwrap());
 }

@@ -126,6 +126,10 @@ fn bad_command_lines_get_one_clear_line() {
         (&["run", "--hosts", "a", "--hostfile", "f", "--", "true"], "cannot be used with"),
         (&["run", "--rsh", "ssh", "--", "true"], "--rsh needs --hosts, --hostfile or --slurm"),
         (&["run", "--slurm", "--hosts", "a", "--", "true"], "cannot be used with"),
+        (
+            &["run", "--hosts", "a,b", "--transport", "fabric", "--fabric-provider", "shm", "--", "true"],
+            "libfabric's shm provider cannot reach other hosts",
+        ),
         (&["run", "--hosts", "a", "--rsh", " ", "--", "true"], "--rsh is empty"),
         (&["run", "--report", "/nonexistent-dir/r.json", "--", "true"], "/nonexistent-dir is not a directory"),
         (&["run", "--report", "/tmp", "--", "true"], "cannot write the report to /tmp: it is a directory"),

@@ -43,6 +43,9 @@ pub struct AgentArgs {
     /// stdout, not an inherited descriptor.
     #[arg(long)]
     pub stdio: bool,
+    /// The log filter (`DUCTILE_LOG` of `ductile run`, for an agent on another host).
+    #[arg(long, value_name = "FILTER")]
+    pub log: Option<String>,
 }
 
 /// Arguments of `ductile run`.
@@ -338,9 +341,7 @@ impl RunArgs {
         if u64::from(max) * u64::from(slots.iter().copied().max().unwrap_or(1)) > u64::from(layout::MAX_RANKS) {
             return Err(format!("a pool of {max} nodes exceeds the limit of {} ranks", layout::MAX_RANKS));
         }
-        if self.fabric_provider.is_some() && self.transport != "fabric" {
-            return Err(format!("--fabric-provider needs --transport fabric (this job's is {})", self.transport));
-        }
+        self.check_transport(pool.as_deref())?;
         let adopt = match (self.adopt, self.adopt_pid) {
             (Some(socket), Some(pid)) if layout.nodes.len() == 1 && layout.nodes[0].ranks.len() == 1 => {
                 Some(crate::proto::Adopt { socket: socket.display().to_string(), pid })
@@ -398,6 +399,22 @@ impl RunArgs {
             quiet: self.quiet,
             hosts,
         })
+    }
+
+    /// Fails on transport settings that cannot work: a provider without the fabric
+    /// transport, or libfabric's shm provider for a job that spans hosts.
+    fn check_transport(&self, pool: Option<&[crate::hosts::Host]>) -> Result<(), String> {
+        if self.fabric_provider.is_some() && self.transport != "fabric" {
+            return Err(format!("--fabric-provider needs --transport fabric (this job's is {})", self.transport));
+        }
+        let provider = self.fabric_provider.clone().or_else(|| std::env::var("FI_PROVIDER").ok());
+        let spans = pool.is_some_and(|h| h.iter().any(|h| !crate::hosts::is_local(&h.name)));
+        if spans && self.transport == "fabric" && provider.as_deref() == Some("shm") {
+            return Err(
+                "libfabric's shm provider cannot reach other hosts (use tcp;ofi_rxm, verbs;ofi_rxm, ...)".into()
+            );
+        }
+        Ok(())
     }
 
     /// The hosts (if given), the slots of every node of the pool, and the layout at

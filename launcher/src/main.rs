@@ -44,14 +44,22 @@ fn command_name() -> String {
 }
 
 fn main() -> ExitCode {
-    let filter = tracing_subscriber_filter();
+    let parsed = Cli::try_parse();
+    // An agent on another host logs as `ductile run` was told to (its own environment
+    // is the remote shell's).
+    let given = match &parsed {
+        Ok(Cli { command: Command::Agent(a) }) => a.log.clone(),
+        _ => None,
+    };
+    let filter =
+        given.and_then(|f| tracing_subscriber::EnvFilter::try_new(f).ok()).unwrap_or_else(tracing_subscriber_filter);
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         // Colours only for a terminal, not in log files.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
-    let cli = match Cli::try_parse() {
+    let cli = match parsed {
         Ok(c) => c,
         Err(e) if !e.use_stderr() => {
             let _ = e.print();

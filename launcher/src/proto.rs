@@ -90,6 +90,9 @@ pub struct Network {
     /// Silence from the controller after which an agent on another host ends its node
     /// world, ms ([`HEARTBEAT_LOSS`]; tests shorten it).
     pub heartbeat_loss_ms: u64,
+    /// `DUCTILE_LOG` of `ductile run`, passed to agents started through the remote
+    /// shell (on their command line: it is no secret, and checked to need no quoting).
+    pub log: Option<String>,
 }
 
 /// A running process an agent adopts as its node world's rank.

@@ -64,7 +64,9 @@ pub fn spawn_with_channel(
     if let Some(n) = network {
         cmd.envs(n.env.iter().map(|(k, v)| (k, v)));
         if std::path::Path::new(&n.cwd).is_dir() {
-            cmd.current_dir(&n.cwd);
+            cmd.current_dir(&n.cwd).env("PWD", &n.cwd);
+        } else {
+            tracing::warn!("{} does not exist here: the ranks start in the agent's directory", n.cwd);
         }
     }
     cmd.args(args).env(CONTROL_FD_ENV, CONTROL_FD.to_string()).kill_on_drop(false);
@@ -93,24 +95,27 @@ pub fn spawn_with_channel(
     cmd.spawn()
 }
 
-/// Starts `ductile agent --stdio` on `host` through the remote shell `rsh` (its words
-/// before the host name), in a process group of its own, with the parent-death signal
-/// if `parent_death`: the remote shell's stdin and stdout are the new agent's channel,
-/// its stderr is this process's. The launcher's path `exe` goes through the remote
-/// host's shell, so it must need no quoting (checked by the controller).
+/// Starts `ductile agent --stdio` on `host` through the job's remote shell (`net.rsh`,
+/// its words before the host name), in a process group of its own, with the
+/// parent-death signal if `parent_death`: the remote shell's stdin and stdout are the
+/// new agent's channel, its stderr is this process's. The launcher's path and the log
+/// filter go through the remote host's shell, so they must need no quoting (checked by
+/// the controller).
 ///
 /// # Errors
 /// The remote shell cannot be started.
 pub fn spawn_remote(
-    rsh: &[String],
+    net: &Network,
     host: &str,
-    exe: &str,
     parent_death: bool,
 ) -> std::io::Result<(Child, ChannelRead, ChannelWrite)> {
-    let (program, words) = rsh.split_first().ok_or_else(|| std::io::Error::other("the remote shell is empty"))?;
+    let (program, words) = net.rsh.split_first().ok_or_else(|| std::io::Error::other("the remote shell is empty"))?;
     let parent = std::process::id();
     let mut cmd = Command::new(program);
-    cmd.args(words).args([host, exe, "agent", "--stdio"]).kill_on_drop(false);
+    cmd.args(words).args([host, net.exe.as_str(), "agent", "--stdio"]).kill_on_drop(false);
+    if let Some(filter) = &net.log {
+        cmd.args(["--log", filter]);
+    }
     cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).env_remove(crate::controller::TEST_KEY_ENV);
     // SAFETY: as in `spawn_with_channel`.
     unsafe {
@@ -256,6 +261,22 @@ fn children() -> Vec<(u32, bool)> {
 /// is left); returns how many were still running.
 pub async fn end_adopted() -> usize {
     end_adopted_except(&|_| false).await
+}
+
+/// Raises this process's soft limit of open files to its hard limit: a launcher of a
+/// job on many hosts holds a few descriptors per host (the remote shell's pipes, an
+/// agent's connection), past the common soft limit of 1024 at some 300 hosts.
+pub fn raise_open_files_limit() {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit on this process, with a valid rlimit.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                tracing::debug!("cannot raise the open files limit: {}", std::io::Error::last_os_error());
+            }
+        }
+    }
 }
 
 /// Makes this process the reaper of its orphaned descendants (see [`end_adopted`]).

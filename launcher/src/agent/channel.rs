@@ -140,7 +140,8 @@ pub(super) fn parent_channel(stdio: bool) -> anyhow::Result<(ChannelRead, Channe
 /// The address this node's ranks bind to: loopback for a job on one host; on the
 /// controller's host, the address it chose for the job ([`Network::here`]); on another
 /// host, the local address of this agent's connection to the controller (`via`: a path
-/// proven to work), or of a probe connection made for it.
+/// proven to work), or of a probe connection made for it, or failing that (the
+/// launcher's host takes no TCP connection) of the route to the launcher.
 ///
 /// # Errors
 /// The controller cannot be reached from this host.
@@ -152,11 +153,35 @@ pub(super) async fn bind_host(h: &AgentHandoff, via: Option<IpAddr>) -> anyhow::
     if let Some(via) = via {
         return Ok(Some(via));
     }
-    let mut s = dial_controller(h).await?;
-    let via = s.local_addr()?.ip();
-    nonblocking::write_msg(&mut s, &Hello::Probe).await?;
-    Ok(Some(via))
+    let probe = async {
+        let mut s = dial_controller(h).await?;
+        let via = s.local_addr()?.ip();
+        nonblocking::write_msg(&mut s, &Hello::Probe).await?;
+        anyhow::Ok(via)
+    };
+    match tokio::time::timeout(PROBE_LIMIT, probe).await {
+        Ok(Ok(via)) => Ok(Some(via)),
+        // A job that does not grow needs no connection to the launcher (its host may
+        // take ssh only): the route to it must do.
+        failed => {
+            let why = match failed {
+                Ok(Err(e)) => format!("{e:#}"),
+                _ => format!("no answer within {PROBE_LIMIT:?}"),
+            };
+            let route = net.controller.iter().find_map(|a| crate::netaddr::route_source(*a).ok());
+            let ip = route.context("no route to the launcher's host")?;
+            tracing::warn!(
+                "{}: cannot reach the launcher over TCP ({why}); ranks bind to {ip}, on the route to it",
+                h.node
+            );
+            Ok(Some(ip))
+        }
+    }
 }
+
+/// Longest an agent started with the job tries to reach the launcher over TCP to learn
+/// its address on a working path.
+const PROBE_LIMIT: Duration = Duration::from_secs(10);
 
 /// Connects a joining agent to the controller and says who it is: over its Unix
 /// socket on the controller's host, else over TCP (see [`dial_controller`]). Returns

@@ -76,7 +76,7 @@ pub(super) async fn start_child(
     // No parent-death signal: this agent may be released before the one it starts. The
     // new agent's lifeline is its connection to the controller.
     let (mut child, mut rx, mut tx): (_, ChannelRead, ChannelWrite) = match remote {
-        Some((net, host)) => crate::spawn::spawn_remote(&net.rsh, host, &net.exe, false)
+        Some((net, host)) => crate::spawn::spawn_remote(net, host, false)
             .map_err(|e| fail(format!("cannot start the remote shell: {e}")))?,
         None => {
             let exe = std::env::current_exe().map_err(|e| fail(e.to_string()))?;

@@ -341,6 +341,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     // Agents started by other agents outlive their spawner when it is released, and
     // must still be reaped here.
     crate::spawn::become_subreaper();
+    crate::spawn::raise_open_files_limit();
     let job = JobId::random()?;
     let key = job_key()?;
     // Ranks' waits outlast the job's own limit a little, so that when --timeout ends
@@ -470,7 +471,9 @@ impl Ctl {
                 // A remote shell may take long to connect (and to read the handoff):
                 // the hosts are reached side by side, and the job's signals and limits
                 // stay live meanwhile.
-                let (events, limit) = (self.events.clone(), self.fence_limit);
+                // Within the agent's limit, so that the precise reason wins over the
+                // start-up deadline's "did not start".
+                let (events, limit) = (self.events.clone(), agent_join_limit(self.fence_limit));
                 tokio::spawn(async move {
                     let r = crate::spawn::hand_off_remote(&mut rx, &mut tx, &msg, limit).await;
                     let _ = events.send(Event::HandedOff(idx, r.map(|()| (rx, tx))));

@@ -8,7 +8,6 @@ use super::{stdin_for, Ending};
 use crate::proto::{ChannelRead, ChannelWrite};
 use crate::proto::{Hello, Network};
 use crate::spawn::{spawn_with_channel, Output};
-use anyhow::Context as _;
 use ductile::bootstrap::nonblocking;
 use ductile_transport::{auth, JobId, JobKey, NodeId, Rank};
 use std::net::SocketAddr;
@@ -62,11 +61,34 @@ const HOST_ONLY: [&str; 17] = [
     "WINDOWID",
 ];
 
+/// Prefixes of variables that describe one node, one task or the launcher's own
+/// launcher (a batch system's per-node and per-task settings, devices, process-manager
+/// wiring): the remote side's own values, if any, stay.
+const NODE_ONLY_PREFIXES: [&str; 9] =
+    ["SSH_", "DUCTILE_CONTROL", "SLURM_STEP_", "SLURM_TOPOLOGY_", "PMI_", "PMIX_", "OMPI_", "PRTE_", "FLUX_TASK_"];
+/// Variables that describe one node or task of a batch job, or its devices.
+const NODE_ONLY: [&str; 14] = [
+    "SLURMD_NODENAME",
+    "SLURM_NODEID",
+    "SLURM_LOCALID",
+    "SLURM_PROCID",
+    "SLURM_CPUS_ON_NODE",
+    "SLURM_TASK_PID",
+    "SLURM_GTIDS",
+    "SLURM_LAUNCH_NODE_IPADDR",
+    "SLURM_JOB_CPUS_PER_NODE_LOCAL",
+    "CUDA_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "GPU_DEVICE_ORDINAL",
+    "ZE_AFFINITY_MASK",
+];
+
 /// Which variables of `ductile run`'s environment ranks on other hosts get.
 fn forwarded(name: &str) -> bool {
     !HOST_ONLY.contains(&name)
-        && !name.starts_with("SSH_")
-        && !name.starts_with("DUCTILE_CONTROL")
+        && !NODE_ONLY.contains(&name)
+        && !NODE_ONLY_PREFIXES.iter().any(|p| name.starts_with(p))
         && name != super::TEST_KEY_ENV
 }
 
@@ -86,7 +108,7 @@ fn stdin_is_data() -> bool {
 /// A path the remote shell passes through the other host's shell as it is: no
 /// quoting is needed.
 fn shell_safe(path: &str) -> bool {
-    !path.is_empty() && path.bytes().all(|b| b.is_ascii_alphanumeric() || b"/._-+,:@%".contains(&b))
+    !path.is_empty() && path.bytes().all(|b| b.is_ascii_alphanumeric() || b"/._-+,:@%=".contains(&b))
 }
 
 /// Listens on each address of this host for agents on other hosts; returns the
@@ -220,7 +242,8 @@ pub async fn network(rsh: &[String], hosts: &[String], controller: Vec<SocketAdd
     }
     let here = here(hosts, &controller).await;
     let heartbeat_loss_ms = heartbeat_loss().as_millis().try_into().unwrap_or(u64::MAX);
-    Ok(Network { controller, rsh: rsh.to_vec(), exe, env, cwd, here, heartbeat_loss_ms })
+    let log = std::env::var("DUCTILE_LOG").ok().filter(|f| shell_safe(f));
+    Ok(Network { controller, rsh: rsh.to_vec(), exe, env, cwd, here, heartbeat_loss_ms, log })
 }
 
 /// Tests only: [`HEARTBEAT_LOSS`](crate::proto::HEARTBEAT_LOSS) in ms, so that a test
@@ -311,8 +334,10 @@ impl super::Ctl {
             if node == NodeId(0) && stdin_is_data() {
                 crate::say_errln!("ductile: rank 0 runs on {host}: the launcher's stdin is not passed on to it");
             }
-            let (child, rx, tx) = crate::spawn::spawn_remote(&net.rsh, host, &net.exe, true)
-                .with_context(|| format!("cannot start the remote shell `{}` for {host}", net.rsh.join(" ")))?;
+            let (child, rx, tx) = crate::spawn::spawn_remote(net, host, true).map_err(|e| {
+                let hint = if e.raw_os_error() == Some(libc::EMFILE) { " (raise `ulimit -n`)" } else { "" };
+                anyhow::anyhow!("cannot start the remote shell `{}` for {host}: {e}{hint}", net.rsh.join(" "))
+            })?;
             return Ok((child, rx, tx, true));
         }
         let exe = std::env::current_exe()?;
@@ -376,10 +401,21 @@ mod tests {
 
     #[test]
     fn host_only_variables_stay_here() {
-        for v in ["HOSTNAME", "SSH_AUTH_SOCK", "DUCTILE_CONTROL_FD", "DISPLAY", super::super::TEST_KEY_ENV] {
+        for v in [
+            "HOSTNAME",
+            "SSH_AUTH_SOCK",
+            "DUCTILE_CONTROL_FD",
+            "DISPLAY",
+            super::super::TEST_KEY_ENV,
+            "SLURM_PROCID",
+            "SLURM_STEP_ID",
+            "CUDA_VISIBLE_DEVICES",
+            "PMIX_RANK",
+            "OMPI_COMM_WORLD_RANK",
+        ] {
             assert!(!forwarded(v), "{v}");
         }
-        for v in ["PATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "DUCTILE_LOG", "HOME"] {
+        for v in ["PATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "DUCTILE_LOG", "HOME", "SLURM_JOB_ID"] {
             assert!(forwarded(v), "{v}");
         }
     }
