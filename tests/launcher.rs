@@ -434,14 +434,8 @@ fn the_job_key_is_in_no_command_line_environment_log_or_report() {
         assert!(start.elapsed() < Duration::from_secs(60), "the job did not end");
         // The launcher, and a child it forked that has not yet become an agent (until
         // its exec it is a copy of the launcher, environment and all), are skipped.
-        let forked = |p: u64| std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c == launcher_cmdline);
-        for pid in common::marked(&mark).into_iter().filter(|&p| p != launcher && !forked(p)) {
-            for file in ["cmdline", "environ"] {
-                let Ok(bytes) = std::fs::read(format!("/proc/{pid}/{file}")) else { continue };
-                let text = String::from_utf8_lossy(&bytes).replace('\0', " ");
-                leaks(&format!("the {file} of process {pid}"), &text);
-                assert!(!text.contains("DUCTILE_TEST_JOB_KEY"), "process {pid} inherited the test key's variable");
-            }
+        for pid in common::marked(&mark).into_iter().filter(|&p| p != launcher) {
+            common::assert_key_not_in(pid, &leaks, &|c| c == launcher_cmdline.as_slice());
             seen.insert(pid);
         }
         std::thread::sleep(Duration::from_millis(10));

@@ -228,4 +228,20 @@ pub fn test_key() -> (String, impl Fn(&str, &str)) {
     (hex, leaks)
 }
 
+/// Fails the test if process `pid`'s command line or environment holds the test key
+/// (checked by `leaks`, from [`test_key`]) or its variable. A process whose command
+/// line `copy` calls the launcher's is skipped: a child it forked and has not exec'd
+/// yet is a copy of it, environment and all.
+pub fn assert_key_not_in(pid: u64, leaks: &dyn Fn(&str, &str), copy: &dyn Fn(&[u8]) -> bool) {
+    if std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| copy(&c)) {
+        return;
+    }
+    for file in ["cmdline", "environ"] {
+        let Ok(bytes) = std::fs::read(format!("/proc/{pid}/{file}")) else { continue };
+        let text = String::from_utf8_lossy(&bytes).replace('\0', " ");
+        leaks(&format!("the {file} of process {pid}"), &text);
+        assert!(!text.contains("DUCTILE_TEST_JOB_KEY"), "process {pid} has the test key's variable");
+    }
+}
+
 pub mod netns;
