@@ -507,3 +507,24 @@ fn the_job_key_is_in_no_process_log_or_report_on_any_host() {
     leaks("the job's output and logs", &text);
     leaks("the report", &std::fs::read_to_string(&*report).unwrap());
 }
+
+#[test]
+fn a_pool_larger_than_the_fan_out_starts_and_ends_promptly() {
+    let Some(t) = hosts(1) else { return };
+    // 70 "hosts" (more than the 64 remote shells that connect at once) whose remote
+    // shell starts the agent where it runs (in the head namespace); their names
+    // resolve nowhere, and a resolver that hangs on them must not hold up the job's end.
+    let script = tmp("here-rsh.sh");
+    std::fs::write(&*script, "#!/bin/sh\nshift\nexec \"$@\"\n").unwrap();
+    std::fs::set_permissions(&*script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let list: Vec<String> = (0..70).map(|i| format!("pool-host-{i}")).collect();
+    let started = Instant::now();
+    let mut c = t.in_head(&ductile_bin());
+    c.args(["run", "--rsh", &script.display().to_string(), "--timeout", JOB_LIMIT, "--hosts", &list.join(",")]);
+    let out = output_within(c.arg(ex("ring")));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(stdout.contains("ring of 70"), "{stdout}");
+    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
+    assert_namespaces_empty(&t);
+}

@@ -173,6 +173,8 @@ struct AgentConn {
 enum Event {
     Msg(usize, FromAgent),
     Lost(usize, String),
+    /// The remote shell of an agent on another host is started.
+    ShellStarted(usize, Child),
     /// An agent started through the remote shell has its handoff, and its channel
     /// begins as it should (or why not).
     HandedOff(usize, Result<(ChannelRead, ChannelWrite), String>),
@@ -217,6 +219,10 @@ pub(crate) struct Ctl {
     socket: PathBuf,
     /// Set when the job spans hosts.
     network: Option<Network>,
+    /// Turns for remote shells to connect (see [`remote::REMOTE_FANOUT`]).
+    fanout: std::sync::Arc<tokio::sync::Semaphore>,
+    /// Set as the job ends: remote shells still waiting for their turn start no more.
+    closing: std::sync::Arc<std::sync::atomic::AtomicBool>,
     agents: Vec<AgentConn>,
     /// Agent hosting each endpoint id.
     host: HashMap<Rank, usize>,
@@ -380,6 +386,8 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
         key,
         socket,
         network,
+        fanout: std::sync::Arc::new(tokio::sync::Semaphore::new(remote::REMOTE_FANOUT)),
+        closing: std::sync::Arc::default(),
         agents: Vec::new(),
         host: HashMap::new(),
         state,
@@ -408,10 +416,18 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     }
     // Agents on other hosts that got their handoff as the job ended are told to abort
     // too, rather than left to the grace of `reap`.
+    ctl.closing.store(true, std::sync::atomic::Ordering::Release);
     while let Ok(ev) = events.try_recv() {
-        if let Event::HandedOff(a, Ok((rx, tx))) = ev {
-            ctl.agents[a].reader = Some(watch(&ctl.events, a, rx));
-            ctl.agents[a].tx = Some(tx);
+        match ev {
+            Event::ShellStarted(a, child) => {
+                ctl.agents[a].pid = child.id().unwrap_or(0);
+                ctl.agents[a].child = Some(child);
+            }
+            Event::HandedOff(a, Ok((rx, tx))) => {
+                ctl.agents[a].reader = Some(watch(&ctl.events, a, rx));
+                ctl.agents[a].tx = Some(tx);
+            }
+            _ => {}
         }
     }
     let code = ctl.finish().await;
@@ -460,37 +476,26 @@ impl Ctl {
     /// Starts the agents of the initial layout.
     async fn start(&mut self) -> anyhow::Result<()> {
         for plan in self.spec.layout.nodes.clone() {
-            let (child, mut rx, mut tx, remote) = self.start_agent(plan.node)?;
             let mut h = self.handoff(plan.node, plan.rank_ids().collect());
             h.adopt = self.spec.adopt.clone();
-            h.remote = remote;
-            let msg = ToAgent::Handoff(Box::new(h));
             let idx = self.agents.len();
-            let (mut reader, mut conn) = (None, None);
-            if remote {
-                // A remote shell may take long to connect (and to read the handoff):
-                // the hosts are reached side by side, and the job's signals and limits
-                // stay live meanwhile.
-                // Within the agent's limit, so that the precise reason wins over the
-                // start-up deadline's "did not start".
-                let (events, limit) = (self.events.clone(), agent_join_limit(self.fence_limit));
-                tokio::spawn(async move {
-                    let r = crate::spawn::hand_off_remote(&mut rx, &mut tx, &msg, limit).await;
-                    let _ = events.send(Event::HandedOff(idx, r.map(|()| (rx, tx))));
-                });
-            } else {
+            let host = self.remote_host(plan.node).map(str::to_owned);
+            h.remote = host.is_some();
+            let msg = ToAgent::Handoff(Box::new(h));
+            let (mut child, mut reader, mut conn) = (None, None, None);
+            if host.is_none() {
+                let (c, rx, mut tx) = self.start_local_agent(plan.node)?;
                 nonblocking::write_msg(&mut tx, &msg).await?;
-                reader = Some(watch(&self.events, idx, rx));
-                conn = Some(tx);
+                (child, reader, conn) = (Some(c), Some(watch(&self.events, idx, rx)), Some(tx));
             }
             for id in plan.rank_ids() {
                 self.host.insert(id, idx);
             }
             self.agents.push(AgentConn {
                 node: plan.node,
-                pid: child.id().unwrap_or(0),
-                child: Some(child),
-                remote,
+                pid: child.as_ref().and_then(Child::id).unwrap_or(0),
+                child,
+                remote: host.is_some(),
                 reader,
                 tx: conn,
                 started: Vec::new(),
@@ -501,6 +506,9 @@ impl Ctl {
                 token: None,
                 abandoned: false,
             });
+            if let Some(host) = host {
+                self.start_remote_agent(idx, &host, msg);
+            }
         }
         tracing::info!("job {}: {} ranks on {} nodes", self.job, self.state.ranks.len(), self.agents.len());
         Ok(())
@@ -678,6 +686,11 @@ impl Ctl {
                 if self.ending.is_none() {
                     self.ending = Some(Ending::Node(node, why));
                 }
+            }
+            Event::ShellStarted(a, child) => {
+                let ag = &mut self.agents[a];
+                ag.pid = child.id().unwrap_or(0);
+                ag.child = Some(child);
             }
             Event::HandedOff(a, Ok((rx, tx))) => {
                 let reader = watch(&self.events, a, rx);

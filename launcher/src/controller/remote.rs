@@ -4,7 +4,8 @@
 //! about the network ([`Network`]).
 
 use super::socket::Arrival;
-use super::{stdin_for, Ending};
+use super::{stdin_for, Ending, Event};
+use crate::proto::ToAgent;
 use crate::proto::{ChannelRead, ChannelWrite};
 use crate::proto::{Hello, Network};
 use crate::spawn::{spawn_with_channel, Output};
@@ -265,19 +266,33 @@ const RESOLVE_LIMIT: Duration = Duration::from_secs(2);
 /// other host whose name resolves (a name the remote shell reaches is on the network
 /// the job uses), else the first of `controller` (test hosts in namespaces, whose
 /// names are no host names).
+///
+/// The names resolve on a thread of their own, in order, the first [`RESOLVED_HOSTS`]
+/// at most, for [`RESOLVE_LIMIT`] in all: a resolver that hangs (no DNS reachable) must
+/// neither hold up the job nor its end, which a blocking task of the runtime would.
 async fn here(hosts: &[String], controller: &[SocketAddr]) -> std::net::IpAddr {
-    // All names at once, within one limit: a slow resolver costs it once.
-    let lookups = hosts.iter().filter(|h| !crate::hosts::is_local(h)).map(|host| async move {
-        let found = tokio::time::timeout(RESOLVE_LIMIT, tokio::net::lookup_host((host.as_str(), 22))).await;
-        let route = found.ok().and_then(Result::ok).and_then(|mut a| a.find(SocketAddr::is_ipv4));
-        route.and_then(|a| crate::netaddr::route_source(a).ok()).filter(|ip| !ip.is_loopback())
+    let names: Vec<String> =
+        hosts.iter().filter(|h| !crate::hosts::is_local(h)).take(RESOLVED_HOSTS).cloned().collect();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let resolving = std::thread::Builder::new().name("ductile-resolve".into()).spawn(move || {
+        let route = |host: &String| {
+            let addr =
+                std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), 22)).ok()?.find(SocketAddr::is_ipv4)?;
+            crate::netaddr::route_source(addr).ok().filter(|ip| !ip.is_loopback())
+        };
+        let _ = tx.send(names.iter().find_map(route));
     });
-    let routes = futures_util::future::join_all(lookups).await;
-    let first = routes.into_iter().flatten().next();
-    first.unwrap_or_else(|| {
+    let found = match resolving {
+        Ok(_) => tokio::time::timeout(RESOLVE_LIMIT, rx).await.ok().and_then(Result::ok).flatten(),
+        Err(_) => None,
+    };
+    found.unwrap_or_else(|| {
         controller.first().map_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), SocketAddr::ip)
     })
 }
+
+/// Most other hosts' names tried when choosing [`here`].
+const RESOLVED_HOSTS: usize = 8;
 
 impl super::Ctl {
     /// Tells every connected agent on another host that the controller is alive.
@@ -327,19 +342,8 @@ impl super::Ctl {
         }
     }
 
-    /// Starts node `node`'s agent: here, with a channel as fd 3, or through the remote
-    /// shell; returns it, its channel, and whether it is remote.
-    pub(super) fn start_agent(&self, node: NodeId) -> anyhow::Result<(Child, ChannelRead, ChannelWrite, bool)> {
-        if let (Some(host), Some(net)) = (self.remote_host(node), &self.network) {
-            if node == NodeId(0) && stdin_is_data() {
-                crate::say_errln!("ductile: rank 0 runs on {host}: the launcher's stdin is not passed on to it");
-            }
-            let (child, rx, tx) = crate::spawn::spawn_remote(net, host, true).map_err(|e| {
-                let hint = if e.raw_os_error() == Some(libc::EMFILE) { " (raise `ulimit -n`)" } else { "" };
-                anyhow::anyhow!("cannot start the remote shell `{}` for {host}: {e}{hint}", net.rsh.join(" "))
-            })?;
-            return Ok((child, rx, tx, true));
-        }
+    /// Starts node `node`'s agent here, with a channel as fd 3.
+    pub(super) fn start_local_agent(&self, node: NodeId) -> anyhow::Result<(Child, ChannelRead, ChannelWrite)> {
         let exe = std::env::current_exe()?;
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         let input = stdin_for(node, self.spec.adopt.is_some());
@@ -348,9 +352,45 @@ impl super::Ctl {
         drop(theirs);
         ours.set_nonblocking(true)?;
         let (rx, tx) = UnixStream::from_std(ours)?.into_split();
-        Ok((child, Box::new(rx), Box::new(tx), false))
+        Ok((child, Box::new(rx), Box::new(tx)))
+    }
+
+    /// Starts agent `idx` (of node `node`) on `host` through the remote shell, in a task:
+    /// at most [`REMOTE_FANOUT`] remote shells connect at once (as pdsh's fan-out), the
+    /// job's signals and limits stay live meanwhile, and each host's handoff runs within
+    /// the agent's join limit, so that its precise reason is what the user sees. The
+    /// remote shell ([`Event::ShellStarted`]) and then the channel ([`Event::HandedOff`])
+    /// come back as events.
+    pub(super) fn start_remote_agent(&self, idx: usize, host: &str, msg: ToAgent) {
+        let Some(net) = self.network.clone() else { return };
+        if self.agents[idx].node == NodeId(0) && stdin_is_data() {
+            crate::say_errln!("ductile: rank 0 runs on {host}: the launcher's stdin is not passed on to it");
+        }
+        let (events, limit, host) = (self.events.clone(), super::agent_join_limit(self.fence_limit), host.to_owned());
+        let (fanout, closing) = (self.fanout.clone(), self.closing.clone());
+        tokio::spawn(async move {
+            let Ok(_turn) = fanout.acquire_owned().await else { return };
+            if closing.load(std::sync::atomic::Ordering::Acquire) {
+                return;
+            }
+            let (child, mut rx, mut tx) = match crate::spawn::spawn_remote(&net, &host, true) {
+                Ok(started) => started,
+                Err(e) => {
+                    let hint = if e.raw_os_error() == Some(libc::EMFILE) { " (raise `ulimit -n`)" } else { "" };
+                    let why = format!("cannot start the remote shell `{}`: {e}{hint}", net.rsh.join(" "));
+                    let _ = events.send(Event::HandedOff(idx, Err(why)));
+                    return;
+                }
+            };
+            let _ = events.send(Event::ShellStarted(idx, child));
+            let r = crate::spawn::hand_off_remote(&mut rx, &mut tx, &msg, limit).await;
+            let _ = events.send(Event::HandedOff(idx, r.map(|()| (rx, tx))));
+        });
     }
 }
+
+/// Most remote shells connecting at once.
+pub const REMOTE_FANOUT: usize = 64;
 
 #[cfg(test)]
 mod tests {
