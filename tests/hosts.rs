@@ -479,7 +479,7 @@ fn the_job_key_is_in_no_process_log_or_report_on_any_host() {
     let mut job = common::Running(c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
     let launcher = job.0.id();
     let (out, err) = (lines_of(job.0.stdout.take().unwrap()), lines_of(job.0.stderr.take().unwrap()));
-    let mut seen = std::collections::BTreeSet::new();
+    let mut seen = std::collections::BTreeMap::new();
     let start = Instant::now();
     while job.0.try_wait().unwrap().is_none() {
         assert!(start.elapsed() < Duration::from_secs(60), "the job did not end");
@@ -493,7 +493,12 @@ fn the_job_key_is_in_no_process_log_or_report_on_any_host() {
                     && args.next() == Some(b"run".as_slice())
             };
             common::assert_key_not_in(u64::from(pid), &leaks, &copy);
-            seen.insert(pid);
+            // The last command line seen: a remote shell's `sh -c` execs the agent.
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let seen_as = seen.entry(pid).or_default();
+            if !cmdline.is_empty() {
+                *seen_as = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            }
         }
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -506,6 +511,13 @@ fn the_job_key_is_in_no_process_log_or_report_on_any_host() {
     assert!(text.contains("DEBUG") && text.contains("node 1 has started"), "{text}");
     leaks("the job's output and logs", &text);
     leaks("the report", &std::fs::read_to_string(&*report).unwrap());
+    // The report names each node's agent by its pid on its host, not the ssh client's.
+    for n in common::read_report(&report)["nodes"].as_array().unwrap() {
+        let pid = u32::try_from(n["agent_pid"].as_u64().unwrap()).unwrap();
+        let seen_as = seen.get(&pid).map_or("", String::as_str);
+        let agent = format!("{} agent --stdio", ductile_bin().display());
+        assert!(seen_as.starts_with(&agent), "node {}: agent pid {pid} was {seen_as:?}", n["node"]);
+    }
 }
 
 #[test]

@@ -17,7 +17,8 @@ pub type ChannelWrite = Box<dyn tokio::io::AsyncWrite + Send + Unpin>;
 
 /// What an agent started through a remote shell writes first on its stdout, so that
 /// whoever started it can tell its channel from what a shell start-up file printed
-/// (and an agent of another version from this one).
+/// (and an agent of another version from this one); its pid (4 bytes, little-endian)
+/// follows.
 pub const STDIO_MAGIC: &[u8; 16] = b"\0ductile-agent8\n";
 
 /// Version of the agent handoff.

@@ -12,8 +12,7 @@ pub struct NodeReport {
     pub node: u32,
     /// Its host, for a job on `--hosts`/`--hostfile` (the ranks' pids are that host's).
     pub host: Option<String>,
-    /// Its agent's pid (of an agent on another host started with the job: the remote
-    /// shell's, on this host).
+    /// Its agent's pid (on its host).
     pub agent_pid: u32,
     /// Endpoint ids of the ranks it ran.
     pub ranks: Vec<u32>,

@@ -130,7 +130,7 @@ pub fn spawn_remote(
 
 /// Checks that the channel (on `rx`) of an agent started through the remote shell
 /// begins with [`STDIO_MAGIC`], then hands it its first message `msg` on `tx`, all
-/// within `limit`.
+/// within `limit`; returns the agent's pid on its host.
 ///
 /// # Errors
 /// Why not, in words for the user: the time ran out, the remote shell ended, or what
@@ -140,7 +140,7 @@ pub async fn hand_off_remote(
     tx: &mut ChannelWrite,
     msg: &ToAgent,
     limit: std::time::Duration,
-) -> Result<(), String> {
+) -> Result<u32, String> {
     use tokio::io::AsyncReadExt as _;
     let exchange = async {
         // The agent speaks first; what a shell printed instead is reported as such,
@@ -159,9 +159,14 @@ pub async fn hand_off_remote(
                     String::from_utf8_lossy(&seen)
                 ))
             }
-            Ok(_) => ductile::bootstrap::nonblocking::write_msg(tx, msg)
-                .await
-                .map_err(|e| format!("cannot hand the agent its settings: {e}")),
+            Ok(_) => {
+                let mut pid = [0u8; 4];
+                rx.read_exact(&mut pid).await.map_err(|e| format!("the agent ended as it started ({e})"))?;
+                ductile::bootstrap::nonblocking::write_msg(tx, msg)
+                    .await
+                    .map_err(|e| format!("cannot hand the agent its settings: {e}"))?;
+                Ok(u32::from_le_bytes(pid))
+            }
             Err(e) => Err(format!("the remote shell ended before the agent started ({e})")),
         }
     };

@@ -108,7 +108,9 @@ pub(super) async fn start_child(
     let t = Duration::from_millis(h.join_timeout_ms.max(1));
     let started = async {
         match remote {
-            Some(_) => crate::spawn::hand_off_remote(&mut rx, &mut tx, &msg, t).await.map_err(fail)?,
+            Some(_) => {
+                crate::spawn::hand_off_remote(&mut rx, &mut tx, &msg, t).await.map_err(fail)?;
+            }
             None => nonblocking::write_msg(&mut tx, &msg).await.map_err(|e| fail(e.to_string()))?,
         }
         match tokio::time::timeout(t, nonblocking::read_msg::<FromAgent>(&mut rx)).await {

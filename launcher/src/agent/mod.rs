@@ -139,7 +139,10 @@ pub async fn run(stdio: bool) -> anyhow::Result<()> {
     outlive_user_signals()?;
     let (mut prx, mut ptx) = parent_channel(stdio)?;
     if stdio {
-        tokio::io::AsyncWriteExt::write_all(&mut ptx, STDIO_MAGIC).await?;
+        // Its pid on this host follows, for `ductile status` and the report.
+        let mut first = STDIO_MAGIC.to_vec();
+        first.extend_from_slice(&std::process::id().to_le_bytes());
+        tokio::io::AsyncWriteExt::write_all(&mut ptx, &first).await?;
         tokio::io::AsyncWriteExt::flush(&mut ptx).await?;
     }
     let first = tokio::time::timeout(HANDOFF_WAIT, nonblocking::read_msg::<ToAgent>(&mut prx))

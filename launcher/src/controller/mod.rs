@@ -155,6 +155,8 @@ struct AgentConn {
     /// Reads its channel; ends when the channel closes (how the exit of an agent on
     /// another host is seen).
     reader: Option<tokio::task::JoinHandle<()>>,
+    /// The agent's pid on its host, when `pid` is the remote shell's.
+    host_pid: Option<u32>,
     tx: Option<ChannelWrite>,
     /// Ranks it started.
     started: Vec<RankStarted>,
@@ -177,7 +179,7 @@ enum Event {
     ShellStarted(usize, Child),
     /// An agent started through the remote shell has its handoff, and its channel
     /// begins as it should (or why not).
-    HandedOff(usize, Result<(ChannelRead, ChannelWrite), String>),
+    HandedOff(usize, Result<(ChannelRead, ChannelWrite, u32), String>),
     Arrival(Arrival),
 }
 
@@ -423,9 +425,10 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
                 ctl.agents[a].pid = child.id().unwrap_or(0);
                 ctl.agents[a].child = Some(child);
             }
-            Event::HandedOff(a, Ok((rx, tx))) => {
+            Event::HandedOff(a, Ok((rx, tx, pid))) => {
                 ctl.agents[a].reader = Some(watch(&ctl.events, a, rx));
                 ctl.agents[a].tx = Some(tx);
+                ctl.agents[a].host_pid = Some(pid);
             }
             _ => {}
         }
@@ -497,6 +500,7 @@ impl Ctl {
                 child,
                 remote: host.is_some(),
                 reader,
+                host_pid: None,
                 tx: conn,
                 started: Vec::new(),
                 live: HashSet::new(),
@@ -692,11 +696,12 @@ impl Ctl {
                 ag.pid = child.id().unwrap_or(0);
                 ag.child = Some(child);
             }
-            Event::HandedOff(a, Ok((rx, tx))) => {
+            Event::HandedOff(a, Ok((rx, tx, pid))) => {
                 let reader = watch(&self.events, a, rx);
                 let ag = &mut self.agents[a];
                 ag.tx = Some(tx);
                 ag.reader = Some(reader);
+                ag.host_pid = Some(pid);
             }
             Event::HandedOff(a, Err(why)) => {
                 if self.ending.is_none() {
@@ -906,7 +911,8 @@ impl Ctl {
                 parts.push("starting".into());
             }
             let on = self.host_name(a.node).map(|h| format!(" on {h}")).unwrap_or_default();
-            s.push_str(&format!("\n  {}{on} (agent pid {}): {}", a.node, a.pid, parts.join(", ")));
+            let pid = a.host_pid.unwrap_or(a.pid);
+            s.push_str(&format!("\n  {}{on} (agent pid {pid}): {}", a.node, parts.join(", ")));
         }
         s.push('\n');
         s
@@ -928,7 +934,7 @@ impl Ctl {
                 .map(|a| NodeReport {
                     node: a.node.0,
                     host: self.host_name(a.node),
-                    agent_pid: a.pid,
+                    agent_pid: a.host_pid.unwrap_or(a.pid),
                     ranks: a.started.iter().map(|r| r.id.0).collect(),
                     pids: a.started.iter().map(|r| r.pid).collect(),
                     joined_epoch: a.joined_epoch,

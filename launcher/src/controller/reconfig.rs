@@ -292,6 +292,7 @@ impl Ctl {
                 child: None,
                 remote: false,
                 reader: None,
+                host_pid: None,
                 tx: None,
                 started: Vec::new(),
                 live: HashSet::new(),

@@ -384,7 +384,7 @@ impl super::Ctl {
             };
             let _ = events.send(Event::ShellStarted(idx, child));
             let r = crate::spawn::hand_off_remote(&mut rx, &mut tx, &msg, limit).await;
-            let _ = events.send(Event::HandedOff(idx, r.map(|()| (rx, tx))));
+            let _ = events.send(Event::HandedOff(idx, r.map(|pid| (rx, tx, pid))));
         });
     }
 }
