@@ -10,7 +10,10 @@
 //! `fault join-slow FILE MS` (one initial rank) makes every new process take MS
 //! milliseconds to start before it joins, and the job ends after the growth;
 //! `fault signals` makes every rank say it is ready and wait (30 s at most each) for a
-//! SIGUSR1, then a SIGUSR2, which `ductile run` passes on to the ranks, then end well.
+//! SIGUSR1, then a SIGUSR2, which `ductile run` passes on to the ranks, then end well;
+//! `fault recover DIES AT STEPS PAUSE_MS` is for `ductile run --on-failure shrink`: the
+//! process that is rank DIES at step AT exits with code 3 (`none`: no one does; a test
+//! kills a node instead) and the others recover, checking their data (see [`recover`]).
 //! The launcher must
 //! end the job either way (first failing rank's code, or Ctrl-C / `--timeout`), leaving
 //! no process behind.
@@ -24,6 +27,7 @@ fn main() -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("join-exit") => return join_exit(&args[1..]),
         Some("join-slow") => return join_slow(&args[1..]),
+        Some("recover") => return recover(&args[1..]),
         _ => {}
     }
     let mut session = ductile::init()?;
@@ -86,7 +90,7 @@ fn main() -> anyhow::Result<()> {
             world.barrier()?;
         }
         _ => bail!(
-            "usage: fault exit RANK CODE | fault hang | fault chatter | fault signals | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS"
+            "usage: fault exit RANK CODE | fault hang | fault chatter | fault signals | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS | fault recover DIES AT STEPS PAUSE_MS"
         ),
     }
     session.finalize()?;
@@ -137,4 +141,103 @@ fn join_slow(args: &[String]) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(file);
     }
     Ok(session.finalize()?)
+}
+
+/// Elements of the array `recover` registers: not a multiple of any process count used.
+const RECOVER_ELEMENTS: u64 = 1_000_003;
+
+/// The value of element `g` of the array `recover` registers: never zero, so that a
+/// lost element (zero) is told apart.
+fn value(g: u64) -> u64 {
+    g.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1
+}
+
+/// `recover DIES AT STEPS PAUSE_MS`: every rank registers a block of a distributed array
+/// and the step counter, then runs STEPS steps of an allreduce and a checkpoint,
+/// PAUSE_MS apart. At step AT the process that is rank DIES exits with code 3. The
+/// others' calls fail; each then calls the checkpoint, which returns `Recovered`, and
+/// checks its new block: zero exactly where the recovery says data was lost, every
+/// other element as it was. It fills the lost elements in again (as an application
+/// would from its own checkpoint), takes the step counter from the registry (the
+/// survivors may have been a step apart), and goes on. At the end every block is whole.
+fn recover(args: &[String]) -> anyhow::Result<()> {
+    let usage = "fault recover DIES AT STEPS PAUSE_MS";
+    let dies: Option<usize> = match args.first().context(usage)?.as_str() {
+        "none" => None,
+        r => Some(r.parse()?),
+    };
+    let at: u64 = args.get(1).context(usage)?.parse()?;
+    let steps: u64 = args.get(2).context(usage)?.parse()?;
+    let pause = std::time::Duration::from_millis(args.get(3).context(usage)?.parse()?);
+    let mut s = ductile::init()?;
+    let range = ductile::block_range(RECOVER_ELEMENTS, s.world().size() as u32, s.world().rank() as u32);
+    s.distribute("data", RECOVER_ELEMENTS, &range.map(value).collect::<Vec<u64>>())?;
+    let mut step = 0u64;
+    s.replicate("step", &step)?;
+    while step < steps {
+        step += 1;
+        let (r, size) = (s.world().rank(), s.world().size());
+        if step == at && dies == Some(r) {
+            eprintln!("rank {r}: failing at step {step}");
+            std::process::exit(3);
+        }
+        match s.world().allreduce(&[1u64], ductile::ReduceOp::Sum) {
+            Ok(n) if n[0] != size as u64 => bail!("rank {r}: {} processes counted, {size} in the world", n[0]),
+            Ok(_) => {}
+            Err(e) if e.is_failure() => eprintln!("rank {r}: step {step}: {e}"),
+            Err(e) => return Err(e.into()),
+        }
+        if r == 0 {
+            println!("step {step}: {size} processes");
+        }
+        std::thread::sleep(pause);
+        s.replicate("step", &step)?;
+        if let ductile::Checkpoint::Recovered(rc) = s.checkpoint()? {
+            step = s.replicated("step")?;
+            check_recovered(&mut s, &rc, step)?;
+        }
+    }
+    let range = s.block_range("data")?;
+    if !s.block::<u64>("data")?.iter().zip(range).all(|(v, g)| *v == value(g)) {
+        bail!("rank {}: the data is not whole at the end", s.world().rank());
+    }
+    if s.world().rank() == 0 {
+        println!("recover: done with {} processes, the data whole", s.world().size());
+    }
+    Ok(s.finalize()?)
+}
+
+/// After a recovery: the new block is zero where data was lost and intact elsewhere;
+/// the lost elements are filled in again.
+fn check_recovered(s: &mut ductile::Session, rc: &ductile::Recovery, step: u64) -> anyhow::Result<()> {
+    let old = rc.resize.old_size as u32;
+    let mut expected: Vec<(String, std::ops::Range<u64>)> = rc
+        .failed
+        .iter()
+        .map(|&f| ("data".to_string(), ductile::block_range(RECOVER_ELEMENTS, old, f as u32)))
+        .collect();
+    expected.retain(|(_, r)| !r.is_empty());
+    if rc.lost != expected {
+        bail!("lost {:?}, expected {expected:?}", rc.lost);
+    }
+    let range = s.block_range("data")?;
+    let lost = |g: u64| rc.lost.iter().any(|(_, r)| r.contains(&g));
+    let block = s.block_mut::<u64>("data")?;
+    for (v, g) in block.iter_mut().zip(range) {
+        let want = if lost(g) { 0 } else { value(g) };
+        if *v != want {
+            bail!("element {g} is {v:#x} after the recovery, expected {want:#x}");
+        }
+        *v = value(g);
+    }
+    if s.world().rank() == 0 {
+        println!(
+            "recovered at step {step}: ranks {:?} of {old} failed ({}), lost {:?}; {} processes",
+            rc.failed,
+            rc.why,
+            rc.lost.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>(),
+            rc.resize.new_size
+        );
+    }
+    Ok(())
 }

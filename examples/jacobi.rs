@@ -8,6 +8,14 @@
 //! summation) equals that of a run of the same parameters on any fixed number of
 //! processes.
 //!
+//! Run with `ductile run --on-failure shrink`, the solver survives the failure of
+//! processes (or of whole nodes): the others recover at their next checkpoint, and
+//! since the rod's lost parts cannot be rebuilt without their history, the solver
+//! starts again from the initial condition on the processes left (an application with
+//! checkpoints of its own would reload its last one instead). The checksum is then
+//! still that of a fixed-size run. `--fail-at RANK:ITER` makes a process fail, for
+//! drills and tests.
+//!
 //! ```text
 //! ductile run --nodes 1 --slots 2 --policy steps:2,8,4,1 -- target/release/examples/jacobi
 //! ```
@@ -46,10 +54,20 @@ struct Args {
     /// Ask for this many processes at the first checkpoint (an evolving job).
     #[arg(long, value_name = "P")]
     ask: Option<u32>,
+    /// The process that is rank RANK at iteration ITER exits with code 3, before any
+    /// change (a failure drill for `ductile run --on-failure shrink`).
+    #[arg(long, value_name = "RANK:ITER", value_parser = parse_fail_at)]
+    fail_at: Option<(usize, u64)>,
     /// After each change, rank 0 prints `HOLD <epoch>` and waits for the file
     /// `<DIR>/go-<epoch>` (for tests that inspect the job in between).
     #[arg(long, value_name = "DIR")]
     hold: Option<PathBuf>,
+}
+
+fn parse_fail_at(s: &str) -> Result<(usize, u64), String> {
+    let bad = || format!("{s:?} is not RANK:ITER");
+    let (r, i) = s.split_once(':').ok_or_else(bad)?;
+    Ok((r.parse().map_err(|_| bad())?, i.parse().map_err(|_| bad())?))
 }
 
 const TAG_TO_LEFT: u32 = 1;
@@ -145,6 +163,30 @@ fn hold(s: &Session, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// After a recovery: the rod starts again from its initial condition on the processes
+/// left, with the constant items filled in again where they were lost. Returns the
+/// iteration to go on from (0).
+fn restart(s: &mut Session, rc: &ductile::Recovery, n: u64) -> anyhow::Result<u64> {
+    let range = s.block_range("u")?;
+    for (v, g) in s.block_mut::<f64>("u")?.iter_mut().zip(range) {
+        *v = initial(g, n);
+    }
+    s.block_mut::<f64>("k")?.fill(K);
+    if let Ok(range) = s.block_range("table") {
+        for (v, g) in s.block_mut::<u64>("table")?.iter_mut().zip(range) {
+            *v = g;
+        }
+    }
+    s.replicate("iter", &0u64)?;
+    if s.world().rank() == 0 {
+        println!(
+            "jacobi: ranks {:?} of {} failed ({}); starting again from iteration 0 on {} processes",
+            rc.failed, rc.resize.old_size, rc.why, rc.resize.new_size
+        );
+    }
+    Ok(0)
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let mut s = ductile::init()?;
@@ -182,7 +224,22 @@ fn main() -> anyhow::Result<()> {
         let t_iter = Instant::now();
         let world = s.world().clone();
         let start = s.block_range("u")?.start;
-        let new = sweep(&world, s.block::<f64>("u")?, s.block::<f64>("k")?, start, n)?;
+        if args.fail_at == Some((world.rank(), it + 1)) && s.epoch() == 0 {
+            eprintln!("jacobi: rank {} fails at iteration {} (--fail-at)", world.rank(), it + 1);
+            std::process::exit(3);
+        }
+        let new = match sweep(&world, s.block::<f64>("u")?, s.block::<f64>("k")?, start, n) {
+            Ok(new) => new,
+            Err(e) if e.is_failure() => {
+                // Processes failed: the checkpoint recovers (`--on-failure shrink`).
+                match s.checkpoint()? {
+                    Checkpoint::Recovered(rc) => it = restart(&mut s, &rc, n)?,
+                    _ => bail!("{e}, and the job did not recover"),
+                }
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         s.block_mut::<f64>("u")?.copy_from_slice(&new);
         drop(new);
         it += 1;
@@ -206,6 +263,7 @@ fn main() -> anyhow::Result<()> {
         }
         match cp {
             Checkpoint::Released(_) => return Ok(s.finalize()?),
+            Checkpoint::Recovered(rc) => it = restart(&mut s, &rc, n)?,
             Checkpoint::Resized(r) => {
                 // The runtime's process sets agree with what the checkpoint said.
                 let added = s.pset(&format!("rc/{}/added", r.seq))?;

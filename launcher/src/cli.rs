@@ -1,6 +1,6 @@
 //! The command line of `ductile`.
 
-use crate::controller::JobSpec;
+use crate::controller::{JobSpec, OnFailure};
 use crate::layout;
 use crate::plan::resize::Target;
 use crate::plan::spawn::{Method, Strategy};
@@ -136,6 +136,12 @@ pub struct RunArgs {
     /// the application computes on while they travel, and switches at a later one.
     #[arg(long)]
     pub background: bool,
+    /// What a failed process (one that exits with an error or is killed, or whose node
+    /// is lost) does to the job: end it (abort), or shrink it to the processes left,
+    /// which recover at their next checkpoint (shrink; the application is told what
+    /// registered data was lost).
+    #[arg(long, value_enum, value_name = "WHAT", default_value_t = OnFailure::Abort)]
+    pub on_failure: OnFailure,
     /// Transport between ranks: tcp, quic (TLS 1.3) or fabric (libfabric).
     #[arg(long, default_value = "tcp", value_parser = parse_transport)]
     pub transport: String,
@@ -395,6 +401,7 @@ impl RunArgs {
             report: self.report,
             redistribution: self.redistribution,
             background: self.background,
+            on_failure: self.on_failure,
             adopt,
             quiet: self.quiet,
             hosts,

@@ -205,11 +205,42 @@ impl JobState {
         next.advance(self)
     }
 
+    /// The membership after processes failed (`--on-failure shrink`): the survivors in
+    /// their order, the failed processes' addresses blank, and the nodes lost with
+    /// their agents (`lost_nodes`) out of the pool.
+    #[must_use]
+    pub fn after_failure(&self, failed: &[Rank], lost_nodes: &[NodeId]) -> (Change, Self) {
+        let mut next = self.clone();
+        let keep: Vec<usize> = (0..self.ranks.len()).filter(|&i| !failed.contains(&self.ranks[i])).collect();
+        next.ranks = keep.iter().map(|&i| self.ranks[i]).collect();
+        next.nodes = keep.iter().map(|&i| self.nodes[i]).collect();
+        let occupied = next.nodes.clone();
+        next.join_order.retain(|n| occupied.contains(n));
+        for n in lost_nodes {
+            if let Some(s) = next.slots.get_mut(n.0 as usize) {
+                *s = 0;
+            }
+        }
+        for f in failed {
+            if let Some(a) = next.addrs.get_mut(f.index()) {
+                *a = EndpointAddr(String::new());
+            }
+        }
+        let (mut change, next) = next.advance(self);
+        change.failed = failed.iter().copied().filter(|f| self.ranks.contains(f)).collect();
+        (change, next)
+    }
+
     fn advance(mut self, before: &Self) -> (Change, Self) {
         self.epoch = before.epoch + 1;
         self.changes = before.changes + 1;
-        let change =
-            Change { seq: self.changes, checkpoint: 0, before: before.ranks.clone(), after: self.membership() };
+        let change = Change {
+            seq: self.changes,
+            checkpoint: 0,
+            before: before.ranks.clone(),
+            after: self.membership(),
+            failed: Vec::new(),
+        };
         (change, self)
     }
 }
@@ -290,6 +321,33 @@ mod tests {
         let mut got = report(&orders);
         got[0].ranks.push(RankStarted { id: Rank(9), pid: 0, addr: addr(9) });
         assert_eq!(s.after_growth(&plan, &orders, &got).unwrap_err(), GatherError::Unexpected(Rank(9)));
+    }
+
+    #[test]
+    fn a_failure_keeps_the_survivors_in_order_and_takes_lost_nodes_out_of_the_pool() {
+        // 6 ranks, 2 per node on nodes 0-2; rank 3 (node 1) fails alone, then node 2 is
+        // lost with both its ranks.
+        let s = start(6, 2, 4);
+        let (change, next) = s.after_failure(&[Rank(3)], &[]);
+        assert_eq!(change.before, s.ranks);
+        assert_eq!(change.failed, vec![Rank(3)]);
+        assert_eq!(next.ranks, [0, 1, 2, 4, 5].map(Rank));
+        assert_eq!(next.nodes, [0, 0, 1, 2, 2].map(NodeId));
+        assert_eq!((next.epoch, next.changes), (1, 1));
+        assert_eq!(next.addrs[3], EndpointAddr(String::new()));
+        assert_eq!(next.addrs[4], addr(4));
+        assert_eq!(next.slots, vec![2; 4]);
+        let (change, next) = next.after_failure(&[Rank(4), Rank(5)], &[NodeId(2)]);
+        assert_eq!(change.after.ranks, [0, 1, 2].map(Rank));
+        assert_eq!(next.join_order, vec![NodeId(0), NodeId(1)]);
+        assert_eq!(next.slots, vec![2, 2, 0, 2]);
+        // A growth to three nodes fills node 1 and takes node 3, never the lost node 2;
+        // four are too many.
+        let a = next.allocation();
+        let bounds = crate::policy::Bounds { min: 1, max: 4, preferred: None };
+        let grow = crate::plan::resize::plan_resize(&a, crate::plan::resize::Target::Nodes(3), &bounds).unwrap();
+        assert!(matches!(grow, crate::plan::resize::Resize::Grow { target, .. } if target == vec![2, 2, 0, 2]));
+        assert!(crate::plan::resize::plan_resize(&a, crate::plan::resize::Target::Nodes(4), &bounds).is_err());
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub type ChannelWrite = Box<dyn tokio::io::AsyncWrite + Send + Unpin>;
 pub const STDIO_MAGIC: &[u8; 16] = b"\0ductile-agent8\n";
 
 /// Version of the agent handoff.
-pub const AGENT_VERSION: u32 = 8;
+pub const AGENT_VERSION: u32 = 9;
 
 /// Everything an agent needs to start its node world.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -53,6 +53,8 @@ pub struct AgentHandoff {
     pub join_timeout_ms: u64,
     /// Prefix output lines with `[rank]`.
     pub tag_output: bool,
+    /// A failed process is a shrink of the job (`--on-failure shrink`).
+    pub recover: bool,
     /// The controller's socket (agents started by a resize connect to it).
     pub socket: String,
     /// Set for a node world started by a resize.

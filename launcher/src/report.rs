@@ -73,6 +73,9 @@ pub struct Reconfiguration {
     pub added_nodes: Vec<u32>,
     /// Nodes released back to the pool.
     pub released_nodes: Vec<u32>,
+    /// Old ranks that failed (`trigger: failure`, `--on-failure shrink`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub failed: Vec<u32>,
     /// Whether rank 0 left and another process took over.
     pub root_takeover: bool,
     /// Phase durations.
@@ -129,6 +132,11 @@ impl Reconfiguration {
         }
         if !self.released_nodes.is_empty() {
             moved.push(format!("{} {}", node_list(&self.released_nodes), verb(&self.released_nodes, "leave")));
+        }
+        if !self.failed.is_empty() {
+            let list: Vec<String> = self.failed.iter().map(u32::to_string).collect();
+            let (s, verb) = if self.failed.len() == 1 { ("", "s") } else { ("s", "") };
+            moved.insert(0, format!("rank{s} {} fail{verb}", list.join(", ")));
         }
         let mut how = self.kind.to_string();
         for m in moved {
@@ -193,6 +201,10 @@ pub fn table(rs: &[Reconfiguration]) -> String {
         let p = &r.phases_ms;
         let how = match (r.method, r.strategy) {
             (Some(m), Some(st)) => format!("{m}/{st}, {} st", r.spawn_steps),
+            _ if !r.failed.is_empty() => {
+                let list: Vec<String> = r.failed.iter().map(u32::to_string).collect();
+                format!("failed: {}", list.join(","))
+            }
             _ => "terminate".to_string(),
         };
         let row = format!(
@@ -237,6 +249,7 @@ mod tests {
             nodes_after: nodes.1,
             added_nodes: added.to_vec(),
             released_nodes: released.to_vec(),
+            failed: Vec::new(),
             root_takeover: false,
             phases_ms: Phases { total: 4.25, ..Phases::default() },
         }

@@ -20,7 +20,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 
 /// Version of the handoff; a rank refuses a handoff of another version.
-pub const HANDOFF_VERSION: u32 = 7;
+pub const HANDOFF_VERSION: u32 = 8;
 /// The file descriptor the control channel is passed as.
 pub const CONTROL_FD: i32 = 3;
 /// Environment variable naming the control channel's descriptor.
@@ -53,6 +53,9 @@ pub struct RankHandoff {
     pub background: bool,
     /// The job's output lines are prefixed with their rank (`--tag-output`).
     pub tag_output: bool,
+    /// A failed process is a shrink of the job (`--on-failure shrink`): the others
+    /// recover at their next checkpoint instead of the job ending.
+    pub recover: bool,
 }
 
 /// Which transport backend a job uses, and its settings.
@@ -113,6 +116,9 @@ pub struct Change {
     pub before: Vec<Rank>,
     /// The membership after it.
     pub after: Membership,
+    /// The processes of `before` that failed (a shrink the job did not ask for): they
+    /// take no part, and their share of the registered data is lost.
+    pub failed: Vec<Rank>,
 }
 
 /// The controller's answer to a checkpoint.
@@ -148,6 +154,20 @@ pub enum ToRank {
     Membership(Membership),
     /// The answer to [`FromRank::Checkpoint`], or the change a joining process is part of.
     Decision(Decision),
+    /// Processes of the job failed (`--on-failure shrink`): every other process
+    /// interrupts its waits and recovers at its next checkpoint ([`FromRank::Recover`]).
+    Failure(Failure),
+}
+
+/// Processes that failed, as the controller tells the others.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    /// The epoch they failed in.
+    pub epoch: u64,
+    /// Their endpoint ids.
+    pub failed: Vec<Rank>,
+    /// Why, for messages (`rank 2 on node 1 was killed by signal 9`).
+    pub why: String,
 }
 
 /// Phase durations measured inside the ranks during one change, in microseconds
@@ -189,6 +209,14 @@ pub enum FromRank {
         epoch: u64,
         /// What the switch cost inside the ranks.
         times: SwitchTimes,
+    },
+    /// The rank reached a checkpoint after a [`ToRank::Failure`] and waits for the
+    /// change that leaves the failed processes out (every surviving rank sends it).
+    Recover {
+        /// Its epoch.
+        epoch: u64,
+        /// Checkpoints so far.
+        count: u64,
     },
     /// The rank finalized cleanly.
     Finalized,
@@ -396,6 +424,7 @@ mod tests {
             redistribution: crate::Method::Rma,
             background: true,
             tag_output: true,
+            recover: true,
         };
         let bytes = encode(&ToRank::Handoff(h)).unwrap();
         let back: ToRank = read_msg(&mut &bytes[..]).unwrap();

@@ -80,5 +80,21 @@ pub enum Error {
     Invalid(String),
 }
 
+impl Error {
+    /// Whether the error comes from the failure of another process of the job: it is
+    /// gone, or the launcher said that processes failed and interrupted this one's
+    /// waits. In a job run with `ductile run --on-failure shrink`, the application goes
+    /// on by calling [`crate::Session::checkpoint`], which then returns
+    /// [`crate::Checkpoint::Recovered`].
+    #[must_use]
+    pub fn is_failure(&self) -> bool {
+        let t = match self {
+            Error::Transport(t) | Error::Peer { error: t, .. } => t,
+            _ => return false,
+        };
+        matches!(t, TransportError::Interrupted(_) | TransportError::PeerLost(_) | TransportError::Io { .. })
+    }
+}
+
 /// Result of ductile calls.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -50,5 +50,5 @@ pub use launch::{Launch, LaunchError, LaunchStatus, LAUNCHER_ENV, LAUNCH_TIMEOUT
 pub use pset::ProcessSet;
 pub use redistribute::Method;
 pub use reduce::{ReduceOp, Reducible};
-pub use session::{init, Checkpoint, JobInfo, MoveHandle, Resize, Session};
+pub use session::{init, Checkpoint, JobInfo, MoveHandle, Recovery, Resize, Session};
 pub use {bytemuck, bytes};

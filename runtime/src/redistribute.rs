@@ -184,6 +184,9 @@ pub(crate) struct Move<'a> {
     /// The files behind the old block's pages, if it lives in files (see
     /// [`crate::pages`]): a one-sided move may hand them over.
     pub old_runs: Vec<Run>,
+    /// Old ranks that failed: their blocks are lost, and what the new blocks would have
+    /// drawn from them is zero (point-to-point only; see `Registry::recover`).
+    pub lost: &'a [u32],
 }
 
 /// Spaces out the segments of a background move: after a segment that took `t` (from

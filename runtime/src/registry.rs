@@ -23,6 +23,7 @@ use ductile_redistrib::block_range;
 use ductile_transport::Tag;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
 use std::sync::Arc;
 
 /// Largest element alignment a distributed item may have: a cache line (heap blocks
@@ -340,6 +341,37 @@ impl Registry {
         Ok(())
     }
 
+    /// Moves every distributed item after a failure, by point-to-point: `t` is a group
+    /// of the old ranks at their old positions, the failed ones (`lost`, old ranks)
+    /// among them but never addressed; the survivors are the new ranks, in order. What
+    /// the failed processes held is lost: it is zero in the new blocks, and returned as
+    /// (item, global element range) pairs.
+    pub(crate) async fn recover(
+        &mut self,
+        t: &AsyncGroup,
+        parts: Parts,
+        new_pos: &[Option<u32>],
+        lost: &[u32],
+    ) -> Result<Vec<(String, Range<u64>)>> {
+        let mut plan = Plan::new(parts, new_pos, t.rank(), None);
+        plan.lost = lost.to_vec();
+        let mut gone = Vec::new();
+        for i in 0..self.entries.len() {
+            let Some((global, elem, _)) = self.distributed(i) else { continue };
+            let block = std::mem::take(&mut self.blocks[i]);
+            let old = Old { bytes: Bytes::from_owner(block), runs: Vec::new(), pages: None };
+            self.blocks[i] = plan.run(t, i, global, elem, Method::P2p, old).await?;
+            self.moved_by[i] = Some(Method::P2p);
+            for &o in lost {
+                let r = block_range(global, parts.old_n, o);
+                if !r.is_empty() {
+                    gone.push((self.entries[i].name.clone(), r));
+                }
+            }
+        }
+        Ok(gone)
+    }
+
     /// Starts moving the constant items in the background over `t` (a group of the
     /// transition's members with a context of its own), keeping the processes busy about
     /// `share` of the time: their old blocks stay readable until [`Registry::install`]
@@ -419,6 +451,8 @@ struct Plan {
     my_new: Option<u32>,
     /// Transition member of each new rank.
     member_of_new: Vec<usize>,
+    /// Old ranks whose blocks are lost (they failed).
+    lost: Vec<u32>,
 }
 
 impl Plan {
@@ -429,7 +463,7 @@ impl Plan {
                 *slot = k;
             }
         }
-        Self { parts, share, my_new: new_pos.get(me).copied().flatten(), member_of_new }
+        Self { parts, share, my_new: new_pos.get(me).copied().flatten(), member_of_new, lost: Vec::new() }
     }
 
     /// Moves item `i` from `old` (this member's old block) and returns its new block.
@@ -447,6 +481,7 @@ impl Plan {
             done_tag: Tag(REGISTRY_DONE_TAG | index),
             share: self.share,
             old_runs: old.runs,
+            lost: &self.lost,
         };
         // One-sidedly moved items live where their pages can be handed over, when the
         // transport allows it (see `crate::pages`); items live where their pages can be

@@ -21,10 +21,13 @@ use tokio::runtime::Runtime;
 
 mod adopt;
 mod background;
+mod control;
 mod data;
+mod recover;
 
 pub use background::MoveHandle;
 use background::Moving;
+pub use recover::Recovery;
 
 /// Facts about the job this process belongs to.
 #[derive(Clone, Debug)]
@@ -52,6 +55,10 @@ pub struct Session {
     info: JobInfo,
     endpoint: Endpoint,
     control: Option<UnixStream>,
+    /// Reads the control channel once the process has joined (see `control`).
+    watcher: Option<control::Watcher>,
+    /// A failed process is a shrink of the job (`--on-failure shrink`).
+    recover: bool,
     rt: Option<Runtime>,
     membership: Membership,
     registry: Registry,
@@ -150,6 +157,10 @@ pub enum Checkpoint {
     /// This process is not in the new group. Its registered data has been handed over;
     /// it should call [`Session::finalize`] and exit.
     Released(Resize),
+    /// Processes failed and the job went on without them (`ductile run --on-failure
+    /// shrink`): a shrink it did not ask for. Registered data is in its new place, but
+    /// what the failed processes held is lost (zero; [`Recovery::lost`] says where).
+    Recovered(Recovery),
 }
 
 /// One change of the group, as seen by one process.
@@ -265,6 +276,7 @@ fn standalone(rt: Runtime, env: &EnvSettings) -> Result<Session> {
         redistribution: Method::default(),
         background: false,
         tag_output: false,
+        recover: false,
     };
     let endpoint = bind(&rt, &h)?;
     let m = Membership {
@@ -338,42 +350,6 @@ fn set_read_timeout(c: &UnixStream, t: Duration) -> Result<()> {
     c.set_read_timeout(Some(t)).map_err(|e| Error::Bootstrap(format!("control channel: {e}")))
 }
 
-/// Bytes waiting to be read on the control channel.
-fn pending_bytes(c: &UnixStream) -> usize {
-    use std::os::fd::AsRawFd;
-    let mut n: libc::c_int = 0;
-    // SAFETY: FIONREAD writes one c_int to the pointer given, which is valid.
-    let rc = unsafe { libc::ioctl(c.as_raw_fd(), libc::FIONREAD, &raw mut n) };
-    if rc < 0 {
-        0
-    } else {
-        usize::try_from(n).unwrap_or(0)
-    }
-}
-
-/// Reads one message if a whole one is waiting, without blocking.
-fn try_read(c: &mut UnixStream) -> Result<Option<ToRank>> {
-    let avail = pending_bytes(c);
-    if avail < 4 {
-        return Ok(None);
-    }
-    let mut prefix = [0u8; 4];
-    // A peek: the bytes stay queued until the whole message is there.
-    let got = {
-        use std::os::fd::AsRawFd;
-        // SAFETY: recv with MSG_PEEK into a 4-byte buffer we own.
-        unsafe { libc::recv(c.as_raw_fd(), prefix.as_mut_ptr().cast(), 4, libc::MSG_PEEK | libc::MSG_DONTWAIT) }
-    };
-    if got != 4 {
-        return Ok(None);
-    }
-    let len = bootstrap::check_len(prefix).map_err(control_err)?;
-    if avail < 4 + len {
-        return Ok(None);
-    }
-    bootstrap::read_msg(c).map(Some).map_err(control_err)
-}
-
 fn bind(rt: &Runtime, h: &RankHandoff) -> Result<Endpoint> {
     let mailbox = Arc::new(Mailbox::new());
     let setup = TransportSetup {
@@ -421,6 +397,10 @@ impl Session {
             id: h.id,
         };
         tracing::debug!("{} (rank {} of {}) joined job {} on {}", h.id, world.rank(), world.size(), h.job, h.node);
+        let watcher = match &control {
+            Some(c) => Some(control::Watcher::start(c, endpoint.mailbox().clone())?),
+            None => None,
+        };
         Ok(Self {
             world,
             spin,
@@ -428,6 +408,8 @@ impl Session {
             info,
             endpoint,
             control,
+            watcher,
+            recover: h.recover,
             rt: Some(rt),
             membership,
             registry: Registry::default(),
@@ -559,7 +541,18 @@ impl Session {
     fn checkpoint_in(&mut self, mode: CheckpointMode) -> Result<Checkpoint> {
         self.in_group()?;
         self.count += 1;
-        self.checkpoint_step(mode).map_err(|e| self.broken_by(e))
+        let notified = self.watcher.as_ref().and_then(control::Watcher::failure);
+        let step = match notified {
+            Some(f) => Err(Error::Transport(ductile_transport::TransportError::Interrupted(f.why))),
+            None => self.checkpoint_step(mode),
+        };
+        match step {
+            Err(e) if self.recover && e.is_failure() => {
+                tracing::debug!("{}: checkpoint {}: {e}; recovering", self.endpoint.rank(), self.count);
+                self.recover().map_err(|e| self.broken_by(e))
+            }
+            other => other.map_err(|e| self.broken_by(e)),
+        }
     }
 
     fn checkpoint_step(&mut self, mode: CheckpointMode) -> Result<Checkpoint> {
@@ -606,7 +599,7 @@ impl Session {
         // Read after an adoption, which sets the launcher's.
         let timeout = self.timeout;
         let (epoch, count, pending) = (self.membership.epoch, self.count, self.pending);
-        let Some(c) = self.control.as_mut() else {
+        let (Some(c), Some(watcher)) = (self.control.as_mut(), self.watcher.as_ref()) else {
             return Ok(Decision::Continue);
         };
         if !pending {
@@ -614,18 +607,19 @@ impl Session {
             bootstrap::write_msg(c, &msg).map_err(control_err)?;
         }
         let got = if pending && mode == CheckpointMode::Background {
-            match try_read(c)? {
+            match watcher.try_next().map_err(|e| Error::Bootstrap(format!("control channel to the agent: {e}")))? {
                 Some(m) => m,
                 None => return Ok(Decision::Pending),
             }
         } else {
-            set_read_timeout(c, timeout)?;
-            bootstrap::read_msg::<ToRank>(c).map_err(|e| {
+            watcher.next(timeout).map_err(|e| {
                 Error::Reconfigure(format!("no decision from the controller at checkpoint {count}: {e}"))
             })?
         };
         match got {
             ToRank::Decision(d) => Ok(d),
+            // Processes failed: the decision, if any, is moot.
+            ToRank::Failure(f) => Err(Error::Transport(ductile_transport::TransportError::Interrupted(f.why))),
             other => Err(Error::Reconfigure(format!("expected a decision from the controller, got {other:?}"))),
         }
     }
@@ -888,8 +882,10 @@ impl Session {
         if let Some(c) = self.control.as_mut() {
             // The agent may already be gone; finalizing locally is still complete.
             let _ = bootstrap::write_msg(c, &FromRank::Finalized);
+            // Shut, so that the agent of an adopted process sees its part end here,
+            // and the watcher its last read.
+            control::shut(c);
         }
-        // Closed, so that the agent of an adopted process sees its part end here.
         self.control = None;
         match self.launcher.take() {
             Some(launcher) => adopt::await_launcher(launcher, self.timeout),
@@ -900,6 +896,9 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
+        if let Some(c) = &self.control {
+            control::shut(c);
+        }
         // No network work here: stop the progress threads without waiting.
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();

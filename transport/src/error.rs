@@ -176,6 +176,10 @@ pub enum TransportError {
     /// This endpoint was closed.
     #[error("the endpoint is closed")]
     Closed,
+    /// The receive was interrupted: processes of the job failed, and the job recovers
+    /// from it at the next checkpoint (see `Mailbox::interrupt`).
+    #[error("interrupted: {0}")]
+    Interrupted(String),
 }
 
 impl TransportError {

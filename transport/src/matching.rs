@@ -188,12 +188,17 @@ struct State {
     claims: Vec<(Rank, std::sync::Weak<landed::ClaimReply>)>,
     next_id: u64,
     closed: bool,
+    /// Why receives fail at once, while set (see [`Mailbox::interrupt`]).
+    interrupted: Option<String>,
 }
 
 impl State {
     /// The oldest queued message `pattern` matches; `None` if the receive must be
     /// posted; an error if it could never be satisfied.
     fn take_queued(&mut self, pattern: &Pattern) -> Result<Option<Envelope>, TransportError> {
+        if let Some(why) = &self.interrupted {
+            return Err(TransportError::Interrupted(why.clone()));
+        }
         if let Some(pos) = self.unexpected.iter().position(|e| pattern.matches(e.src, e.ctx, e.tag)) {
             return Ok(self.unexpected.remove(pos));
         }
@@ -431,6 +436,31 @@ impl Mailbox {
         wake.into_iter().for_each(Waker::wake);
     }
 
+    /// Interrupts every receive: those waiting fail with
+    /// [`TransportError::Interrupted`]`(why)`, and so does every receive posted until
+    /// [`Mailbox::resume`]. How a process learns that others failed while it waits on
+    /// them, or on a process that waits on them (as ULFM's revoke): arriving messages
+    /// are still queued, so nothing sent to it is lost.
+    pub fn interrupt(&self, why: &str) {
+        let wake = {
+            let mut guard = self.lock();
+            let st = &mut *guard;
+            st.interrupted = Some(why.to_string());
+            st.fail_claims(None, || TransportError::Interrupted(why.to_string()));
+            let mut wake = Vec::new();
+            for p in st.posted.drain(..) {
+                wake.extend(p.reply.fail(p.id, TransportError::Interrupted(why.to_string()), &mut st.kept));
+            }
+            wake
+        };
+        wake.into_iter().for_each(Waker::wake);
+    }
+
+    /// Ends an interruption: receives may be posted again.
+    pub fn resume(&self) {
+        self.lock().interrupted = None;
+    }
+
     /// Number of queued unmatched messages (diagnostics).
     #[must_use]
     pub fn queued(&self) -> usize {
@@ -585,5 +615,22 @@ mod tests {
         let rx = posted(m.post(pat(Some(3), None)).unwrap());
         m.close();
         assert!(matches!(answer(&m, rx).unwrap(), Err(TransportError::Closed)));
+    }
+
+    #[test]
+    fn an_interruption_fails_every_receive_until_resumed_and_loses_no_message() {
+        let m = Mailbox::new();
+        let from1 = posted(m.post(pat(Some(1), None)).unwrap());
+        let any = posted(m.post(pat(None, None)).unwrap());
+        m.interrupt("rank 2 failed");
+        for id in [from1, any] {
+            assert!(matches!(answer(&m, id).unwrap(), Err(TransportError::Interrupted(w)) if w == "rank 2 failed"));
+        }
+        // Posted while interrupted: fails at once, even with a message queued for it.
+        m.deliver(env(1, 7, b"sent meanwhile"));
+        assert!(matches!(m.post(pat(Some(1), Some(7))), Err(TransportError::Interrupted(_))));
+        m.resume();
+        assert_eq!(ready(m.post(pat(Some(1), Some(7))).unwrap()).payload, &b"sent meanwhile"[..]);
+        assert!(matches!(m.post(pat(None, None)).unwrap(), Posting::Posted(..)));
     }
 }

@@ -347,6 +347,7 @@ fn rank_handoff(h: &AgentHandoff, id: Rank) -> RankHandoff {
         redistribution: h.redistribution,
         background: h.background,
         tag_output: h.tag_output,
+        recover: h.recover,
     }
 }
 

@@ -4,6 +4,7 @@
 //! first failure, on Ctrl-C/SIGTERM, or at `--timeout`.
 
 mod reconfig;
+mod recovery;
 pub mod remote;
 pub mod socket;
 
@@ -115,12 +116,24 @@ pub struct JobSpec {
     pub redistribution: ductile::Method,
     /// Constant items move in the background.
     pub background: bool,
+    /// What a failed process does to the job.
+    pub on_failure: OnFailure,
     /// A running process to adopt as rank 0 (a program started alone that grows).
     pub adopt: Option<crate::proto::Adopt>,
     /// Do not print the job's id and control socket at start.
     pub quiet: bool,
     /// Hosts, one per node of the pool; unset: simulated nodes on this host.
     pub hosts: Option<HostPool>,
+}
+
+/// What a failed process does to the job (`--on-failure`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnFailure {
+    /// The job ends, with the failed process's exit status.
+    #[default]
+    Abort,
+    /// The job shrinks to the processes left: a shrink it did not ask for.
+    Shrink,
 }
 
 /// The hosts of a job that spans hosts.
@@ -231,6 +244,11 @@ pub(crate) struct Ctl {
     state: JobState,
     policy: Box<dyn ResourceManager>,
     flight: Option<InFlight>,
+    /// A recovery from failed processes, waiting for the survivors.
+    recovering: Option<recovery::Recovering>,
+    /// Survivors that said they were ready to recover before the controller learnt of
+    /// the failure (their transport saw the failed peer first): endpoint, epoch, count.
+    early_ready: Vec<(Rank, u64, u64)>,
     deferred: Option<Deferred>,
     queued: Option<Queued>,
     done: Vec<report::Reconfiguration>,
@@ -395,6 +413,8 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
         state,
         policy,
         flight: None,
+        recovering: None,
+        early_ready: Vec::new(),
         deferred: None,
         queued: None,
         done: Vec::new(),
@@ -468,6 +488,7 @@ impl Ctl {
             timeout_ms: u64::try_from(self.wait_timeout.as_millis()).unwrap_or(u64::MAX),
             join_timeout_ms: u64::try_from(agent_join_limit(self.fence_limit).as_millis()).unwrap_or(u64::MAX),
             tag_output: self.spec.tag_output,
+            recover: self.spec.on_failure == OnFailure::Shrink,
             socket: self.socket.to_string_lossy().into_owned(),
             joining: None,
             adopt: None,
@@ -601,6 +622,9 @@ impl Ctl {
             if let Some(f) = &self.flight {
                 phase = Some(tokio::time::Instant::from_std(f.deadline));
             }
+            if let Some(r) = &self.recovering {
+                phase = Some(tokio::time::Instant::from_std(r.deadline));
+            }
             if let Some(p) = phase.into_iter().chain(self.failed.as_ref().map(|f| f.0)).min() {
                 limit = Some(limit.map_or(p, |l| l.min(p)));
             }
@@ -636,6 +660,7 @@ impl Ctl {
                         self.ending = Some(Ending::Node(n, format!("did not start within {:?}", self.fence_limit)));
                     } else {
                         self.flight_deadline().await;
+                        self.recovery_deadline();
                     }
                 }
             }
@@ -687,6 +712,14 @@ impl Ctl {
                     (Some(_), Some(net)) => format!("{why}; it was started by `{}`", net.rsh.join(" ")),
                     _ => why,
                 };
+                let live: Vec<Rank> = self.agents[a].live.iter().copied().collect();
+                if self.recover_from(&live, format!("{node} was lost ({why})"), Some(node)).await {
+                    // Its processes are gone with it (they end when their agent does).
+                    let ag = &mut self.agents[a];
+                    (ag.done, ag.tx) = (true, None);
+                    ag.live.clear();
+                    return;
+                }
                 if self.ending.is_none() {
                     self.ending = Some(Ending::Node(node, why));
                 }
@@ -742,8 +775,15 @@ impl Ctl {
                 }
                 let released = self.is_releasing(rank);
                 let abandoned = self.agents[a].abandoned;
-                if exit != Exit::Code(0) && !abandoned && !self.ended_by_us(rank) && self.ending.is_none() {
+                // During a recovery, a survivor that ends, however, can no longer take part.
+                let awaited = self.recovering.is_some() && self.state.ranks.contains(&rank);
+                if (exit != Exit::Code(0) || awaited) && !abandoned && !self.ended_by_us(rank) && self.ending.is_none()
+                {
                     let who = self.who(rank);
+                    let node = self.agents[a].node;
+                    if !released && self.recover_from(&[rank], format!("{who} on {node} {exit}"), None).await {
+                        return self.after_exit().await;
+                    }
                     let who = if released { format!("{who}, while leaving in a shrink,") } else { who };
                     self.ending = Some(Ending::Rank(who, self.agents[a].node, exit));
                 }

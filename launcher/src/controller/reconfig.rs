@@ -75,7 +75,9 @@ pub struct InFlight {
     before: (u32, u32),
     after: (u32, u32),
     added_nodes: Vec<u32>,
-    released_nodes: Vec<u32>,
+    pub(super) released_nodes: Vec<u32>,
+    /// Old ranks that failed (a recovery, `--on-failure shrink`).
+    pub(super) failed: Vec<u32>,
     /// Processes that must leave.
     leaving: HashSet<Rank>,
     /// The processes before the change (set when it is sent out).
@@ -134,6 +136,11 @@ impl Ctl {
 
     pub(super) async fn on_rank(&mut self, a: usize, id: Rank, msg: FromRank) {
         match msg {
+            FromRank::Checkpoint { .. } if self.recovering.is_some() => {
+                // Its rank 0 sent it before it learnt of the failure: it recovers instead.
+                tracing::debug!("checkpoint from {id} during a recovery ignored");
+            }
+            FromRank::Recover { epoch, count } => self.on_recover(id, epoch, count).await,
             FromRank::Checkpoint { epoch, count, mode, want_procs } => {
                 if id != self.state.ranks[0] || epoch != self.state.epoch && self.flight.is_none() {
                     tracing::warn!("checkpoint from {id} at epoch {epoch} ignored (rank 0 is {})", self.state.ranks[0]);
@@ -219,25 +226,50 @@ impl Ctl {
                 }
             }
         };
+        let mut f = self.in_flight(trigger, (d.agent, d.id), (d.mode, d.count), t_checkpoint);
+        f.reply = reply;
+        match plan {
+            Plan::Shrink(s) => {
+                let (change, next) = self.state.after_shrink(&s);
+                f.released_nodes = s.released_nodes.iter().map(|&n| n as u32).collect();
+                self.state = next;
+                self.flight = Some(f);
+                self.switch(change).await;
+            }
+            Plan::Grow(p) => self.start_growth(f, p).await,
+        }
+    }
+
+    /// A change about to start, from the current membership: decided now, at the
+    /// checkpoint `count` reported at `t_checkpoint` by rank 0 (`root`: its agent and
+    /// endpoint).
+    pub(super) fn in_flight(
+        &self,
+        trigger: &'static str,
+        root: (usize, Rank),
+        (mode, count): (CheckpointMode, u64),
+        t_checkpoint: Instant,
+    ) -> InFlight {
         let before = (self.state.ranks.len() as u32, self.state.node_count());
-        let mut f = InFlight {
+        InFlight {
             seq: self.state.changes + 1,
             phase: Phase::Switching,
             deadline: Instant::now() + self.wait_timeout,
             trigger,
-            reply,
-            root: (d.agent, d.id),
-            mode: d.mode,
+            reply: None,
+            root,
+            mode,
             grow: None,
             before,
             after: before,
             added_nodes: Vec::new(),
             released_nodes: Vec::new(),
+            failed: Vec::new(),
             leaving: HashSet::new(),
             old: Vec::new(),
             ended: HashSet::new(),
             root_takeover: false,
-            count: d.count,
+            count,
             t_checkpoint,
             t_decided: Instant::now(),
             t_gathered: None,
@@ -248,16 +280,6 @@ impl Ctl {
             abandoned: false,
             failure: None,
             lost: None,
-        };
-        match plan {
-            Plan::Shrink(s) => {
-                let (change, next) = self.state.after_shrink(&s);
-                f.released_nodes = s.released_nodes.iter().map(|&n| n as u32).collect();
-                self.state = next;
-                self.flight = Some(f);
-                self.switch(change).await;
-            }
-            Plan::Grow(p) => self.start_growth(f, p).await,
         }
     }
 
@@ -544,7 +566,7 @@ impl Ctl {
     }
 
     /// Sends the change to rank 0 and to every new process.
-    async fn switch(&mut self, mut change: Change) {
+    pub(super) async fn switch(&mut self, mut change: Change) {
         let Some(f) = self.flight.as_mut() else { return };
         change.checkpoint = f.count;
         let old: HashSet<Rank> = change.before.iter().copied().collect();
@@ -557,7 +579,10 @@ impl Ctl {
         f.phase = Phase::Switching;
         let root = f.root;
         let decision = ToRank::Decision(Decision::Change(change.clone()));
-        for id in change.after.ranks.iter().filter(|r| !old.contains(r)) {
+        // A recovery goes to every survivor: their old group has failed members, so
+        // rank 0 cannot pass it on.
+        let recovery = !change.failed.is_empty();
+        for id in change.after.ranks.iter().filter(|r| !old.contains(r) || recovery && **r != root.1) {
             if let Some(&a) = self.host.get(id) {
                 self.send(a, &ToAgent::ToRank(*id, decision.clone())).await;
             }
@@ -669,6 +694,7 @@ impl Ctl {
             nodes_after: f.after.1,
             added_nodes: f.added_nodes.clone(),
             released_nodes: f.released_nodes.clone(),
+            failed: f.failed.clone(),
             root_takeover: f.root_takeover,
             phases_ms: Phases {
                 decide: ms(f.t_decided - f.t_checkpoint),

@@ -82,10 +82,10 @@ impl Allocation {
     }
 
     /// Nodes in the order growth takes them: occupied ones (join order), then free
-    /// ones in pool order.
+    /// ones in pool order (a node without slots, one lost by the job, is never taken).
     fn growth_order(&self) -> Vec<usize> {
         let occupied: Vec<usize> = self.occupied.iter().map(|n| n.node).collect();
-        let free = (0..self.slots.len()).filter(|i| !occupied.contains(i));
+        let free = (0..self.slots.len()).filter(|i| !occupied.contains(i) && self.slots[*i] > 0);
         occupied.iter().copied().chain(free).collect()
     }
 }
@@ -100,8 +100,9 @@ pub fn plan_resize(alloc: &Allocation, want: Target, bounds: &Bounds) -> Result<
     match want {
         Target::Nodes(m) => {
             bounds.check(m)?;
-            if m as usize > alloc.slots.len() {
-                return Err(Refusal::AboveMax(m, alloc.slots.len() as u32));
+            let usable = alloc.slots.iter().filter(|&&s| s > 0).count() as u32;
+            if m > usable {
+                return Err(Refusal::AboveMax(m, usable));
             }
             if m == alloc.nodes() {
                 return Ok(Resize::Same);

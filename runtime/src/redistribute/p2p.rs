@@ -51,7 +51,10 @@ impl Move<'_> {
         let mut now: Incoming = Vec::new();
         let mut own_part = None;
         for (src, range) in self.receives(&plan) {
-            if src == me {
+            if self.lost.contains(&(src as u32)) {
+                // Held by a process that failed: nothing to receive.
+                lend(range)?.as_mut_slice().fill(0);
+            } else if src == me {
                 let from = own.pop().ok_or_else(|| plan_error("own overlap"))?;
                 own_part = Some((lend(range.clone())?, range, from));
             } else {

@@ -109,6 +109,8 @@ impl Session {
         let old = std::mem::replace(&mut self.endpoint, endpoint);
         drop(old);
         self.membership = m;
+        self.watcher = Some(super::control::Watcher::start(&control, self.endpoint.mailbox().clone())?);
+        self.recover = h.recover;
         self.control = Some(control);
         self.timeout = timeout;
         self.method = h.redistribution;

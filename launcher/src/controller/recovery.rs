@@ -1,0 +1,164 @@
+//! Failures as shrinks (`ductile run --on-failure shrink`): one membership model, in
+//! which a failed process is a shrink the job did not ask for.
+//!
+//! A process fails when it exits with an error or is killed, or when its node is lost
+//! (its agent's connection ends while it still has processes). With `--on-failure
+//! abort` (the default) that ends the job. With `shrink`, the controller tells every
+//! other process ([`ToRank::Failure`]): their waits are interrupted, and each, at its
+//! next checkpoint, says it is ready ([`ductile::bootstrap::FromRank::Recover`]).
+//! Further failures meanwhile join the same recovery. Once every survivor is ready,
+//! each gets the same change (the survivors in their old order, the failed processes
+//! named), and the change completes as any shrink does: the new rank 0 reports the
+//! switch, and the reconfiguration is recorded with `trigger: failure`. A node lost
+//! with its agent leaves the pool: no growth goes there again.
+//!
+//! The job still ends when it cannot recover: no survivor left, a failure while
+//! another change is under way, or survivors that do not reach a checkpoint within
+//! the wait timeout.
+
+use super::{Ctl, Ending, OnFailure};
+use crate::proto::ToAgent;
+use ductile::bootstrap::{CheckpointMode, Failure, ToRank};
+use ductile_transport::{NodeId, Rank};
+use std::collections::HashSet;
+use std::time::Instant;
+
+/// A recovery waiting for its survivors.
+pub struct Recovering {
+    /// The epoch the failures happened in.
+    epoch: u64,
+    /// The failed processes, in the order they failed.
+    failed: Vec<Rank>,
+    /// Why, one entry per failure.
+    why: Vec<String>,
+    /// Nodes lost with their agents.
+    lost_nodes: Vec<NodeId>,
+    /// Survivors that have not yet said they are ready.
+    waiting: HashSet<Rank>,
+    /// The highest checkpoint count the survivors reported.
+    count: u64,
+    /// When the job ends unless every survivor is ready.
+    pub deadline: Instant,
+    /// When the first failure was seen.
+    t_start: Instant,
+}
+
+impl Ctl {
+    /// Processes `ids` failed (`why`; with their node `lost`, if the node was lost).
+    /// With `--on-failure shrink` the job recovers without them: returns whether it
+    /// does. When it does not, the caller ends the job as before.
+    pub(super) async fn recover_from(&mut self, ids: &[Rank], why: String, lost: Option<NodeId>) -> bool {
+        if self.spec.on_failure != OnFailure::Shrink || self.ending.is_some() || self.failed.is_some() {
+            return false;
+        }
+        if self.flight.is_some() {
+            crate::say_errln!("ductile: {why} while a change was under way; the job cannot recover from that");
+            return false;
+        }
+        let members: Vec<Rank> = ids.iter().copied().filter(|r| self.state.ranks.contains(r)).collect();
+        if members.is_empty() {
+            return false;
+        }
+        let (epoch, ranks, deadline) = (self.state.epoch, &self.state.ranks, Instant::now() + self.wait_timeout);
+        let r = self.recovering.get_or_insert_with(|| Recovering {
+            epoch,
+            failed: Vec::new(),
+            why: Vec::new(),
+            lost_nodes: Vec::new(),
+            waiting: ranks.iter().copied().collect(),
+            count: 0,
+            deadline,
+            t_start: Instant::now(),
+        });
+        // Survivors whose transports saw the failure before this controller did.
+        for &(id, _, count) in self.early_ready.iter().filter(|e| e.1 == r.epoch) {
+            r.waiting.remove(&id);
+            r.count = r.count.max(count);
+        }
+        self.early_ready.clear();
+        for m in &members {
+            if !r.failed.contains(m) {
+                r.failed.push(*m);
+            }
+            r.waiting.remove(m);
+        }
+        r.why.push(why.clone());
+        r.lost_nodes.extend(lost);
+        let survivors: Vec<Rank> = self.state.ranks.iter().copied().filter(|s| !r.failed.contains(s)).collect();
+        if survivors.is_empty() {
+            crate::say_errln!("ductile: {why}, and no process is left to go on");
+            self.recovering = None;
+            return false;
+        }
+        let nodes: HashSet<NodeId> = self
+            .state
+            .ranks
+            .iter()
+            .zip(&self.state.nodes)
+            .filter(|(s, _)| survivors.contains(s))
+            .map(|x| *x.1)
+            .collect();
+        let (n, k) = (survivors.len(), nodes.len());
+        let (ps, ns) = (if n == 1 { "" } else { "es" }, if k == 1 { "" } else { "s" });
+        crate::say_errln!(
+            "ductile: {why}; the job goes on without it: {n} process{ps} on {k} node{ns} (--on-failure shrink)"
+        );
+        let notice = ToRank::Failure(Failure { epoch, failed: members, why });
+        for s in survivors {
+            if let Some(&a) = self.host.get(&s) {
+                self.send(a, &ToAgent::ToRank(s, notice.clone())).await;
+            }
+        }
+        self.recovered_all().await;
+        true
+    }
+
+    /// Survivor `id` is ready to recover from the failures of `epoch`, at its
+    /// checkpoint `count`.
+    pub(super) async fn on_recover(&mut self, id: Rank, epoch: u64, count: u64) {
+        let Some(r) = self.recovering.as_mut().filter(|r| r.epoch == epoch) else {
+            // Its transport saw a peer fail before the peer's agent said so: kept for
+            // the recovery to come (a false alarm leaves it waiting, within its timeout).
+            tracing::debug!("{id} is ready to recover at epoch {epoch} before a failure is known there");
+            self.early_ready.retain(|e| e.0 != id && e.1 >= self.state.epoch);
+            self.early_ready.push((id, epoch, count));
+            return;
+        };
+        r.waiting.remove(&id);
+        r.count = r.count.max(count);
+        self.recovered_all().await;
+    }
+
+    /// Once every survivor is ready: sends them the change that leaves the failed
+    /// processes out.
+    async fn recovered_all(&mut self) {
+        let Some(r) = self.recovering.take_if(|r| r.waiting.is_empty()) else { return };
+        let (mut change, next) = self.state.after_failure(&r.failed, &r.lost_nodes);
+        change.checkpoint = r.count;
+        let root = change.after.ranks[0];
+        let Some(&agent) = self.host.get(&root) else {
+            self.ending = Some(Ending::Reconfig(format!("recovery: no agent hosts {root}")));
+            return;
+        };
+        let mut f = self.in_flight("failure", (agent, root), (CheckpointMode::Blocking, r.count), r.t_start);
+        f.failed =
+            (0..self.state.ranks.len() as u32).filter(|&o| r.failed.contains(&self.state.ranks[o as usize])).collect();
+        f.released_nodes = self.state.join_order.iter().filter(|n| !next.join_order.contains(n)).map(|n| n.0).collect();
+        self.state = next;
+        self.flight = Some(f);
+        self.switch(change).await;
+    }
+
+    /// Ends the job if survivors did not get ready in time.
+    pub(super) fn recovery_deadline(&mut self) {
+        let Some(r) = self.recovering.as_ref().filter(|r| Instant::now() >= r.deadline) else { return };
+        let mut late: Vec<String> = r.waiting.iter().map(|id| self.who(*id)).collect();
+        late.sort();
+        self.ending = Some(Ending::Reconfig(format!(
+            "recovering from {}: {} did not reach a checkpoint within {:?}",
+            r.why.join("; "),
+            late.join(", "),
+            self.wait_timeout
+        )));
+    }
+}

@@ -1,0 +1,160 @@
+//! Recovery: with `ductile run --on-failure shrink`, a failed process is a shrink the
+//! job did not ask for.
+//!
+//! The controller learns of the failure from the failed process's agent (its exit) or
+//! from the loss of the agent itself (its node), and tells every other process
+//! ([`crate::bootstrap::ToRank::Failure`]). Their waits are interrupted (see `control`),
+//! the application's calls return errors, and each process, at its next checkpoint,
+//! says it is ready to recover ([`FromRank::Recover`]). Once all have, the controller
+//! sends each the same [`Change`]: the old ranks, the failed ones among them, and the
+//! survivors as the new ranks in their old order. The survivors then move the registered
+//! data as at any shrink, by point-to-point, except that nothing comes from a failed
+//! process: what it held is lost, zero in the new blocks, and reported
+//! ([`Recovery::lost`]) so that the application can rebuild it (from its own
+//! checkpoint, or by starting that part of the computation again). Replicated items
+//! come from the first survivor, so nothing of them is lost.
+
+use super::{background_context, control_err, micros, node_count, placement, transition_context};
+use super::{Checkpoint, Resize, Session};
+use crate::bootstrap::{self, Change, Decision, FromRank, SwitchTimes, ToRank};
+use crate::error::{Error, Result};
+use crate::group::{AsyncGroup, Group};
+use crate::reduce::ReduceOp;
+use crate::registry::{Manifest, Parts};
+use ductile_transport::Rank;
+use std::ops::Range;
+use std::time::Instant;
+
+/// What a [`Checkpoint::Recovered`] brings: the shrink, who failed, and what was lost.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct Recovery {
+    /// The shrink. Its `transition` group holds the old ranks at their old positions,
+    /// the failed ones among them: only the survivors may be addressed.
+    pub resize: Resize,
+    /// The old ranks that failed.
+    pub failed: Vec<usize>,
+    /// Why, as the launcher saw it (`rank 2 on node 1 was killed by signal 9`).
+    pub why: String,
+    /// The global element ranges of distributed items that the failed processes held,
+    /// by item name: zero in the new blocks.
+    pub lost: Vec<(String, Range<u64>)>,
+}
+
+impl Session {
+    /// Tells the controller that this process is ready to recover, waits for the change
+    /// that leaves the failed processes out, and applies it.
+    pub(super) fn recover(&mut self) -> Result<Checkpoint> {
+        if self.moving.is_some() {
+            return Err(Error::Reconfigure(
+                "processes failed while registered data moved in the background; the job cannot recover".into(),
+            ));
+        }
+        let (epoch, count, timeout) = (self.membership.epoch, self.count, self.timeout);
+        let (Some(c), Some(w)) = (self.control.as_mut(), self.watcher.as_ref()) else {
+            return Err(Error::Reconfigure("a process failed; only a launched job can recover".into()));
+        };
+        bootstrap::write_msg(c, &FromRank::Recover { epoch, count }).map_err(control_err)?;
+        let deadline = Instant::now() + timeout;
+        let change = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let m = w.next(left).map_err(|e| Error::Reconfigure(format!("no recovery from the controller: {e}")))?;
+            match m {
+                ToRank::Decision(Decision::Change(c)) if !c.failed.is_empty() => break c,
+                // Answers sent before the failure was known, and further failures.
+                ToRank::Decision(_) | ToRank::Failure(_) => {}
+                other => {
+                    return Err(Error::Reconfigure(format!("expected the recovery from the controller, got {other:?}")))
+                }
+            }
+        };
+        let why = w.failure().map(|f| f.why).unwrap_or_default();
+        w.recovered();
+        self.endpoint.mailbox().resume();
+        self.pending = false;
+        self.apply_recovery(change, why)
+    }
+
+    /// Switches to the survivors of `c`, moving the registered data among them.
+    fn apply_recovery(&mut self, c: Change, why: String) -> Result<Checkpoint> {
+        let t0 = Instant::now();
+        let me = self.endpoint.rank();
+        let epoch = c.after.epoch;
+        let survivors: Vec<Rank> = c.before.iter().copied().filter(|r| !c.failed.contains(r)).collect();
+        if c.before != self.membership.ranks
+            || epoch <= self.membership.epoch
+            || c.after.ranks != survivors
+            || c.after.nodes.len() != survivors.len()
+        {
+            return Err(Error::Reconfigure(format!(
+                "the recovery to epoch {epoch} does not follow this process's membership (epoch {})",
+                self.membership.epoch
+            )));
+        }
+        let old_rank = c.before.iter().position(|r| *r == me);
+        let (Some(old_rank), Some(new_rank)) = (old_rank, survivors.iter().position(|r| *r == me)) else {
+            return Err(Error::Reconfigure(format!(
+                "{me} is not among the survivors of the recovery to epoch {epoch}"
+            )));
+        };
+        self.endpoint.transport().set_peers(&c.after.addrs)?;
+        let (place, handle) = (placement([&self.membership, &c.after]), self.handle()?);
+        let group = |ctx, members: Vec<Rank>, pos| -> Result<Group> {
+            let g = AsyncGroup::new(self.endpoint.clone(), ctx, members, pos, self.timeout)?.placed(place.clone());
+            Ok(Group::new(g, handle.clone(), self.spin))
+        };
+        // The survivors agree on the registry; the data moves over the old positions.
+        let alive = group(transition_context(epoch), survivors.clone(), new_rank)?;
+        let transition = group(background_context(epoch), c.before.clone(), old_rank)?;
+        let mut manifest = if new_rank == 0 { self.registry.manifest() } else { Manifest::default() };
+        alive.broadcast_value(0, &mut manifest)?;
+        let adopted = self.registry.adopt(manifest, false);
+        let flag = if adopted.is_err() { new_rank as u64 + 1 } else { 0 };
+        let differs = alive.allreduce(&[flag], ReduceOp::Max)?[0];
+        adopted?;
+        if differs > 0 {
+            return Err(Error::Reconfigure(format!(
+                "the registered items of {} differ from the first survivor's; the recovery is abandoned",
+                survivors[differs as usize - 1]
+            )));
+        }
+        // Survivors may have failed in different checkpoints: the controller's count goes on.
+        self.count = c.checkpoint;
+        let connect = t0.elapsed();
+        let new_pos: Vec<Option<u32>> =
+            c.before.iter().map(|r| survivors.iter().position(|x| x == r).map(|p| p as u32)).collect();
+        let failed: Vec<u32> = (0..c.before.len() as u32).filter(|&o| new_pos[o as usize].is_none()).collect();
+        let parts = Parts { old_n: c.before.len() as u32, new_n: survivors.len() as u32 };
+        let t1 = Instant::now();
+        let registry = &mut self.registry;
+        let lost = transition.block(registry.recover(transition.core_async(), parts, &new_pos, &failed))?;
+        let redistribute = t1.elapsed();
+        let times = alive.allreduce(&[micros(connect), micros(redistribute)], ReduceOp::Max)?;
+        let resize = Resize {
+            seq: c.seq,
+            epoch,
+            old_size: c.before.len(),
+            new_size: survivors.len(),
+            old_rank: Some(old_rank),
+            new_rank: Some(new_rank),
+            mapping: new_pos.iter().map(|p| p.map(|p| p as usize)).collect(),
+            added: Vec::new(),
+            transition,
+            overlap: None,
+        };
+        self.last_change = Some((c.seq, Vec::new(), failed.clone()));
+        let rt = self.rt.as_ref().ok_or(Error::Invalid("session is closed".into()))?;
+        self.world = Self::world_of(rt, self.spin, &self.endpoint, &c.after, self.timeout)?;
+        self.info.nodes = node_count(&c.after);
+        self.membership = c.after;
+        if new_rank == 0 {
+            if let Some(ctl) = self.control.as_mut() {
+                let times = SwitchTimes { connect_us: times[0], redistribute_us: times[1], background_us: 0 };
+                bootstrap::write_msg(ctl, &FromRank::Switched { epoch, times }).map_err(control_err)?;
+            }
+        }
+        tracing::info!("{me} recovered as rank {new_rank} of {} at epoch {epoch} ({why})", survivors.len());
+        let failed = failed.into_iter().map(|o| o as usize).collect();
+        Ok(Checkpoint::Recovered(Recovery { resize, failed, why, lost }))
+    }
+}

@@ -1,0 +1,155 @@
+//! A failed process is a shrink the job did not ask for (`ductile run --on-failure
+//! shrink`): real processes on simulated local nodes, one of which fails or whose node
+//! is lost, and the others go on with their registered data.
+
+mod common;
+
+use common::{assert_no_survivors, ductile, ex, lines_of, read_report, run, tmp, wait_with_timeout, Running};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+/// Runs `fault recover ARGS` on `n` processes over `nodes` nodes with `--on-failure
+/// shrink`; returns (stdout, stderr, report) after checking that it succeeded and left
+/// nothing behind.
+fn recover(n: &str, nodes: &str, args: &[&str], name: &str) -> (String, String, serde_json::Value) {
+    let report = tmp(name);
+    let fault = ex("fault");
+    let mut argv = vec!["run", "-n", n, "--nodes", nodes, "--on-failure", "shrink", "--timeout", "120"];
+    argv.extend(["--report", report.to_str().unwrap(), "--", &fault, "recover"]);
+    argv.extend(args);
+    let out = run(&argv);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{argv:?}: {:?}\n{stdout}\n{stderr}", out.status);
+    assert_no_survivors(&report);
+    (stdout.into_owned(), stderr.into_owned(), read_report(&report))
+}
+
+/// The job's one reconfiguration, checked to be a shrink on a failure.
+fn failure_shrink(report: &serde_json::Value) -> &serde_json::Value {
+    let rcs = report["reconfigurations"].as_array().unwrap();
+    assert_eq!(rcs.len(), 1, "{report:#}");
+    let r = &rcs[0];
+    assert_eq!((r["kind"].as_str(), r["trigger"].as_str()), (Some("shrink"), Some("failure")), "{r:#}");
+    assert!(report["failure"].is_null(), "{report:#}");
+    assert_eq!(report["exit_code"], 0);
+    r
+}
+
+#[test]
+fn a_failed_process_is_a_shrink_and_the_survivors_data_is_intact() {
+    // Rank 2 of 4 exits at step 3: its quarter of the array is lost (zero), the rest is
+    // where the block distribution over 3 puts it; the fault example checks both.
+    let (out, err, report) = recover("4", "2", &["2", "3", "8", "20"], "recover-rank");
+    assert!(
+        out.contains("ranks [2] of 4 failed (rank 2 on node 1 exited with code 3), lost [500001..750002]"),
+        "{out}"
+    );
+    assert!(out.contains("recover: done with 3 processes, the data whole"), "{out}");
+    assert!(err.contains("the job goes on without it: 3 processes on 2 nodes (--on-failure shrink)"), "{err}");
+    let r = failure_shrink(&report);
+    assert_eq!(r["failed"], serde_json::json!([2]));
+    assert_eq!((r["procs_before"].as_u64(), r["procs_after"].as_u64()), (Some(4), Some(3)));
+    assert_eq!(report["final_size"], 3);
+}
+
+#[test]
+fn the_failure_of_rank_0_hands_the_job_to_the_next_survivor() {
+    let (out, _, report) = recover("3", "3", &["0", "2", "6", "10"], "recover-root");
+    assert!(out.contains("ranks [0] of 3 failed"), "{out}");
+    assert!(out.contains("recover: done with 2 processes, the data whole"), "{out}");
+    let r = failure_shrink(&report);
+    assert_eq!(r["failed"], serde_json::json!([0]));
+    // Node 0 had only rank 0: it leaves the job.
+    assert_eq!(r["released_nodes"], serde_json::json!([0]));
+    assert_eq!(r["root_takeover"], true);
+}
+
+#[test]
+fn a_lost_node_is_a_shrink_of_all_its_processes() {
+    let report = tmp("recover-node");
+    let fault = ex("fault");
+    let argv = [
+        "run",
+        "-n",
+        "6",
+        "--nodes",
+        "3",
+        "--on-failure",
+        "shrink",
+        "--timeout",
+        "120",
+        "--report",
+        report.to_str().unwrap(),
+        "--",
+        &fault,
+        "recover",
+        "none",
+        "0",
+        "60",
+        "40",
+    ];
+    let mut child = ductile(&argv).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start ductile");
+    let (out, err) = (lines_of(child.stdout.take().unwrap()), lines_of(child.stderr.take().unwrap()));
+    let mut job = Running(child);
+    let first = err.recv_timeout(Duration::from_secs(30)).expect("the job's first line");
+    let id = first.split_whitespace().nth(2).expect("job id").trim_end_matches(',').to_string();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut seen = Vec::new();
+    while !seen.last().is_some_and(|l: &String| l.starts_with("step 5:")) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        seen.push(out.recv_timeout(left).unwrap_or_else(|_| panic!("no step 5: {seen:?}")));
+    }
+    // Node 1's agent, killed: its ranks end with it (they die with their parent).
+    let status = run(&["status", &id]);
+    let text = String::from_utf8_lossy(&status.stdout).into_owned();
+    let line = text.lines().find(|l| l.trim_start().starts_with("node 1 ")).unwrap_or_else(|| panic!("{text}"));
+    let pid: i32 = line.split("agent pid ").nth(1).and_then(|s| s.split(')').next()).unwrap().parse().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let code = wait_with_timeout(&mut job.0, Duration::from_secs(90));
+    let rest: Vec<String> = out.try_iter().collect();
+    let errs: Vec<String> = err.try_iter().collect();
+    assert!(code.success(), "{code:?}\n{rest:?}\n{errs:?}");
+    let recovered = rest.iter().find(|l| l.starts_with("recovered at step")).unwrap_or_else(|| panic!("{rest:?}"));
+    assert!(recovered.contains("ranks [2, 3] of 6 failed (node 1 was lost"), "{recovered}");
+    assert!(rest.iter().any(|l| l == "recover: done with 4 processes, the data whole"), "{rest:?}");
+    assert_no_survivors(&report);
+    let report = read_report(&report);
+    let r = failure_shrink(&report);
+    assert_eq!(r["failed"], serde_json::json!([2, 3]));
+    assert_eq!(r["released_nodes"], serde_json::json!([1]));
+    assert_eq!((r["nodes_before"].as_u64(), r["nodes_after"].as_u64()), (Some(3), Some(2)));
+}
+
+#[test]
+fn jacobi_survives_a_failure_with_the_checksum_of_a_fixed_size_run() {
+    let jacobi = ex("jacobi");
+    // Returns the checksum and the output of jacobi run under `ductile run OPTS` with
+    // the program arguments `extra` besides the common ones.
+    let checksum = |opts: &[&str], extra: &[&str]| {
+        let mut argv = vec!["run", "--timeout", "120"];
+        argv.extend(opts);
+        argv.extend(["--", &jacobi, "--points", "50000", "--iters", "120", "--every", "10"]);
+        argv.extend(extra);
+        let out = run(&argv);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{argv:?}: {text}\n{}", String::from_utf8_lossy(&out.stderr));
+        let line = text.lines().find(|l| l.contains("checksum")).unwrap_or_else(|| panic!("{text}"));
+        (line.split("checksum ").nth(1).unwrap().split_whitespace().next().unwrap().to_string(), text)
+    };
+    let (rigid, _) = checksum(&["-n", "2"], &[]);
+    let (survived, text) = checksum(&["-n", "6", "--nodes", "3", "--on-failure", "shrink"], &["--fail-at", "3:35"]);
+    assert!(text.contains("jacobi: ranks [3] of 6 failed"), "{text}");
+    assert!(text.contains("processes 5 "), "{text}");
+    assert_eq!(survived, rigid, "{text}");
+}
+
+#[test]
+fn without_on_failure_shrink_a_failure_still_ends_the_job() {
+    let fault = ex("fault");
+    let out =
+        run(&["run", "-n", "4", "--nodes", "2", "--timeout", "120", "--", &fault, "recover", "2", "3", "8", "20"]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(3), "{stdout}\n{stderr}");
+    assert!(stderr.contains("rank 2 on node 1 exited with code 3; ending the job"), "{stderr}");
+    assert!(!stdout.contains("recovered"), "{stdout}");
+}
