@@ -8,13 +8,13 @@ use common::{assert_no_survivors, ductile, ex, lines_of, read_report, run, tmp, 
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-/// Runs `fault recover ARGS` on `n` processes over `nodes` nodes with `--on-failure
-/// shrink`; returns (stdout, stderr, report) after checking that it succeeded and left
-/// nothing behind.
-fn recover(n: &str, nodes: &str, args: &[&str], name: &str) -> (String, String, serde_json::Value) {
+/// Runs `fault recover ARGS` under `ductile run OPTS --on-failure shrink`; returns
+/// (stdout, stderr, report) after checking that it succeeded and left nothing behind.
+fn recover(opts: &[&str], args: &[&str], name: &str) -> (String, String, serde_json::Value) {
     let report = tmp(name);
     let fault = ex("fault");
-    let mut argv = vec!["run", "-n", n, "--nodes", nodes, "--on-failure", "shrink", "--timeout", "120"];
+    let mut argv = vec!["run", "--on-failure", "shrink", "--timeout", "120"];
+    argv.extend(opts);
     argv.extend(["--report", report.to_str().unwrap(), "--", &fault, "recover"]);
     argv.extend(args);
     let out = run(&argv);
@@ -36,25 +36,29 @@ fn failure_shrink(report: &serde_json::Value) -> &serde_json::Value {
 }
 
 #[test]
-fn a_failed_process_is_a_shrink_and_the_survivors_data_is_intact() {
+fn a_failed_process_is_a_shrink_and_the_survivors_data_is_intact_over_every_transport() {
     // Rank 2 of 4 exits at step 3: its quarter of the array is lost (zero), the rest is
     // where the block distribution over 3 puts it; the fault example checks both.
-    let (out, err, report) = recover("4", "2", &["2", "3", "8", "20"], "recover-rank");
-    assert!(
-        out.contains("ranks [2] of 4 failed (rank 2 on node 1 exited with code 3), lost [500001..750002]"),
-        "{out}"
-    );
-    assert!(out.contains("recover: done with 3 processes, the data whole"), "{out}");
-    assert!(err.contains("the job goes on without it: 3 processes on 2 nodes (--on-failure shrink)"), "{err}");
-    let r = failure_shrink(&report);
-    assert_eq!(r["failed"], serde_json::json!([2]));
-    assert_eq!((r["procs_before"].as_u64(), r["procs_after"].as_u64()), (Some(4), Some(3)));
-    assert_eq!(report["final_size"], 3);
+    let transports: [&[&str]; 4] =
+        [&["tcp"], &["quic"], &["fabric", "--fabric-provider", "shm"], &["fabric", "--fabric-provider", "tcp;ofi_rxm"]];
+    for transport in transports {
+        let mut opts = vec!["-n", "4", "--nodes", "2", "--transport"];
+        opts.extend(transport);
+        let (out, err, report) = recover(&opts, &["2", "3", "8", "20"], "recover-rank");
+        let lost = "ranks [2] of 4 failed (rank 2 on node 1 exited with code 3), lost [500001..750002]";
+        assert!(out.contains(lost), "{transport:?}: {out}");
+        assert!(out.contains("recover: done with 3 processes, the data whole"), "{transport:?}: {out}");
+        assert!(err.contains("the job goes on without it: 3 processes on 2 nodes (--on-failure shrink)"), "{err}");
+        let r = failure_shrink(&report);
+        assert_eq!(r["failed"], serde_json::json!([2]));
+        assert_eq!((r["procs_before"].as_u64(), r["procs_after"].as_u64()), (Some(4), Some(3)));
+        assert_eq!(report["final_size"], 3);
+    }
 }
 
 #[test]
 fn the_failure_of_rank_0_hands_the_job_to_the_next_survivor() {
-    let (out, _, report) = recover("3", "3", &["0", "2", "6", "10"], "recover-root");
+    let (out, _, report) = recover(&["-n", "3", "--nodes", "3"], &["0", "2", "6", "10"], "recover-root");
     assert!(out.contains("ranks [0] of 3 failed"), "{out}");
     assert!(out.contains("recover: done with 2 processes, the data whole"), "{out}");
     let r = failure_shrink(&report);
