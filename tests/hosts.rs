@@ -540,3 +540,38 @@ fn a_pool_larger_than_the_fan_out_starts_and_ends_promptly() {
     assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
     assert_namespaces_empty(&t);
 }
+
+#[test]
+fn a_host_lost_to_the_network_is_a_shrink_with_on_failure_shrink() {
+    let Some(t) = hosts(3) else { return };
+    let Some(sshd) = Sshd::start(&t) else { return };
+    sshd.await_ready(&t);
+    let list = format!("{}:2,{}:2,{}:2", t.host_addr(0), t.host_addr(1), t.host_addr(2));
+    // ssh gives up on a silent host after 2-3 s, and an agent on its launcher after 3 s.
+    let rsh = format!("{} -o ServerAliveInterval=1 -o ServerAliveCountMax=2", sshd.rsh());
+    let fault = ex("fault");
+    let mut c = t.in_head(&ductile_bin());
+    c.args(["run", "--rsh", &rsh, "--timeout", JOB_LIMIT, "--hosts", &list, "--on-failure", "shrink", "--"]);
+    c.args([fault.as_str(), "recover", "none", "0", "200", "40"]).env("DUCTILE_TEST_HEARTBEAT_LOSS_MS", "3000");
+    let mut job = common::Running(c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start the job"));
+    let (out, err) = (lines_of(job.0.stdout.take().unwrap()), lines_of(job.0.stderr.take().unwrap()));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut seen = Vec::new();
+    while !seen.last().is_some_and(|l: &String| l.starts_with("step 5:")) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        seen.push(
+            out.recv_timeout(left)
+                .unwrap_or_else(|_| panic!("no step 5: {seen:?} {:?}", err.try_iter().collect::<Vec<_>>())),
+        );
+    }
+    t.cut(2).unwrap();
+    let status = wait_with_timeout(&mut job.0, Duration::from_secs(60));
+    let rest: Vec<String> = out.try_iter().collect();
+    let errs: Vec<String> = err.try_iter().collect();
+    assert!(status.success(), "{status:?}\n{rest:?}\n{errs:?}");
+    let recovered = rest.iter().find(|l| l.starts_with("recovered at step")).unwrap_or_else(|| panic!("{rest:?}"));
+    assert!(recovered.contains("ranks [4, 5] of 6 failed (node 2 was lost"), "{recovered}");
+    assert!(rest.iter().any(|l| l == "recover: done with 4 processes, the data whole"), "{rest:?}\n{errs:?}");
+    // The lost host's agent ended its ranks when it heard nothing more.
+    assert_eq!(job_processes_left(&t), Vec::<String>::new());
+}

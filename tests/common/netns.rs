@@ -119,6 +119,13 @@ impl TestHosts {
         c
     }
 
+    /// Cuts host `i` off the network (its link on the bridge goes down), as a host whose
+    /// cable or switch port failed: its processes keep running, and nothing they send
+    /// arrives.
+    pub fn cut(&self, i: usize) -> Result<(), String> {
+        ip_ok(&self.ip, &["-n", &self.head, "link", "set", &format!("veth{i}"), "down"]).map(drop)
+    }
+
     /// Pids of every process now inside any of the namespaces (`ip netns pids NAME`).
     pub fn pids(&self) -> Vec<u32> {
         let mut pids: Vec<u32> = self.created.iter().flat_map(|ns| ns_pids(&self.ip, ns)).collect();
