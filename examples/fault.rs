@@ -13,7 +13,9 @@
 //! SIGUSR1, then a SIGUSR2, which `ductile run` passes on to the ranks, then end well;
 //! `fault recover DIES AT STEPS PAUSE_MS` is for `ductile run --on-failure shrink`: the
 //! process that is rank DIES at step AT exits with code 3 (`none`: no one does; a test
-//! kills a node instead) and the others recover, checking their data (see [`recover`]).
+//! kills a node instead) and the others recover, checking their data (see [`recover`]);
+//! `fault late-exit RANK CODE` makes every rank finalize, then rank RANK exit with CODE
+//! after the others have ended.
 //! The launcher must
 //! end the job either way (first failing rank's code, or Ctrl-C / `--timeout`), leaving
 //! no process behind.
@@ -28,6 +30,7 @@ fn main() -> anyhow::Result<()> {
         Some("join-exit") => return join_exit(&args[1..]),
         Some("join-slow") => return join_slow(&args[1..]),
         Some("recover") => return recover(&args[1..]),
+        Some("late-exit") => return late_exit(&args[1..]),
         _ => {}
     }
     let mut session = ductile::init()?;
@@ -90,7 +93,7 @@ fn main() -> anyhow::Result<()> {
             world.barrier()?;
         }
         _ => bail!(
-            "usage: fault exit RANK CODE | fault hang | fault chatter | fault signals | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS | fault recover DIES AT STEPS PAUSE_MS"
+            "usage: fault exit RANK CODE | fault hang | fault chatter | fault signals | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS | fault recover DIES AT STEPS PAUSE_MS | fault late-exit RANK CODE"
         ),
     }
     session.finalize()?;
@@ -238,6 +241,21 @@ fn check_recovered(s: &mut ductile::Session, rc: &ductile::Recovery, step: u64) 
             rc.lost.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>(),
             rc.resize.new_size
         );
+    }
+    Ok(())
+}
+
+/// `late-exit RANK CODE`: every rank finalizes; then rank RANK waits half a second (the
+/// others have ended by then) and exits with CODE.
+fn late_exit(args: &[String]) -> anyhow::Result<()> {
+    let who: usize = args.first().context("fault late-exit RANK CODE")?.parse()?;
+    let code: i32 = args.get(1).context("fault late-exit RANK CODE")?.parse()?;
+    let session = ductile::init()?;
+    let r = session.world().rank();
+    session.finalize()?;
+    if r == who {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        std::process::exit(code);
     }
     Ok(())
 }

@@ -163,6 +163,35 @@ fn hold(s: &Session, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// After a change at iteration `it` from `before` processes: checks the process sets
+/// and says what changed (rank 0), with the iterations that overlapped a background
+/// move (`timeline`; the change's first background checkpoint was at `first_pending`).
+fn resized(
+    s: &Session,
+    r: &ductile::Resize,
+    (it, before): (u64, usize),
+    timeline: &Timeline,
+    first_pending: Option<Instant>,
+) -> anyhow::Result<()> {
+    // The runtime's process sets agree with what the checkpoint said.
+    let added = s.pset(&format!("rc/{}/added", r.seq))?;
+    if added.ranks().map(|a| a as usize).collect::<Vec<_>>() != r.added {
+        bail!("rc/{}/added is {added}, the checkpoint said {:?}", r.seq, r.added);
+    }
+    if s.world().rank() == 0 {
+        println!("jacobi: iteration {it}: {before} -> {} processes on {} nodes", r.new_size, s.info().nodes);
+        if let Some((from, to)) = r.overlap {
+            let (during, omega) = timeline.overlap(from, to, first_pending.unwrap_or(from));
+            println!(
+                "jacobi: change {}: constant data moved in {:.1} ms while {during} iterations ran, omega {omega:.2}",
+                r.seq,
+                to.duration_since(from).as_secs_f64() * 1e3
+            );
+        }
+    }
+    Ok(())
+}
+
 /// After a recovery: the rod starts again from its initial condition on the processes
 /// left, with the constant items filled in again where they were lost. Returns the
 /// iteration to go on from (0).
@@ -265,26 +294,7 @@ fn main() -> anyhow::Result<()> {
             Checkpoint::Released(_) => return Ok(s.finalize()?),
             Checkpoint::Recovered(rc) => it = restart(&mut s, &rc, n)?,
             Checkpoint::Resized(r) => {
-                // The runtime's process sets agree with what the checkpoint said.
-                let added = s.pset(&format!("rc/{}/added", r.seq))?;
-                if added.ranks().map(|a| a as usize).collect::<Vec<_>>() != r.added {
-                    bail!("rc/{}/added is {added}, the checkpoint said {:?}", r.seq, r.added);
-                }
-                if s.world().rank() == 0 {
-                    println!(
-                        "jacobi: iteration {it}: {before} -> {} processes on {} nodes",
-                        r.new_size,
-                        s.info().nodes
-                    );
-                    if let Some((from, to)) = r.overlap {
-                        let (during, omega) = timeline.overlap(from, to, first_pending.unwrap_or(from));
-                        println!(
-                            "jacobi: change {}: constant data moved in {:.1} ms while {during} iterations ran, omega {omega:.2}",
-                            r.seq,
-                            to.duration_since(from).as_secs_f64() * 1e3
-                        );
-                    }
-                }
+                resized(&s, &r, (it, before), &timeline, first_pending)?;
                 first_pending = None;
                 if let Some(dir) = &args.hold {
                     hold(&s, dir)?;

@@ -284,7 +284,9 @@ impl Sshd {
             }
             return None;
         }
-        let dir = tmp("sshd");
+        // A directory of its own: tests run side by side in one process.
+        static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let dir = tmp(&format!("sshd-{}", STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
         std::fs::create_dir_all(&*dir).unwrap();
         for key in ["host_key", "id"] {
             let path = dir.join(key);

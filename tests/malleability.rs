@@ -325,6 +325,37 @@ fn ductile_resize_drives_a_running_job_and_refuses_bad_requests() {
 }
 
 #[test]
+fn a_job_grows_after_its_launcher_binary_was_removed() {
+    // As when the installed launcher is upgraded while jobs run: new agents start from
+    // the running image, not from the path, which no longer holds it.
+    let dir = tmp("removed-launcher");
+    std::fs::create_dir_all(&*dir).unwrap();
+    let copy = dir.join("ductile");
+    std::fs::copy(ductile_suite::paths::ductile_bin(), &copy).unwrap();
+    let child = std::process::Command::new(&copy)
+        .args(["run", "-n", "2", "--slots", "2", "--max-nodes", "3", "--timeout", "120", "--", &ex("jacobi")])
+        .args(["--points", "20000", "--iters", "20", "--every", "5", "--until-changes", "1"])
+        .env_remove("DUCTILE_LOG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut job = common::Running(child);
+    let mut err = BufReader::new(job.0.stderr.take().unwrap()).lines();
+    let first = err.next().unwrap().unwrap();
+    let id = first.split("job ").nth(1).unwrap().split(',').next().unwrap().to_string();
+    std::fs::remove_file(&copy).unwrap();
+    let out = ductile(&["resize", &id, "--nodes", "3"]).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let status = wait_with_timeout(&mut job.0, Duration::from_secs(60));
+    let rest: Vec<String> = err.map(|l| l.unwrap()).collect();
+    assert!(status.success(), "{rest:?}");
+    let mut stdout = String::new();
+    std::io::Read::read_to_string(&mut job.0.stdout.take().unwrap(), &mut stdout).unwrap();
+    assert!(stdout.contains("2 -> 6 processes on 3 nodes"), "{stdout}");
+}
+
+#[test]
 fn a_process_crashing_during_a_shrink_fails_the_job_naming_it_and_leaves_nothing() {
     let report = tmp("leave-crash.json");
     let start = Instant::now();

@@ -157,3 +157,57 @@ fn without_on_failure_shrink_a_failure_still_ends_the_job() {
     assert!(stderr.contains("rank 2 on node 1 exited with code 3; ending the job"), "{stderr}");
     assert!(!stdout.contains("recovered"), "{stdout}");
 }
+
+#[test]
+fn an_application_that_does_not_recover_ends_with_the_first_failures_code() {
+    // `fault exit` does not recover: the others fail in turn on their errors, and when
+    // none is left the job ends as the first failure would have ended it.
+    let fault = ex("fault");
+    let out = run(&[
+        "run",
+        "-n",
+        "4",
+        "--nodes",
+        "2",
+        "--on-failure",
+        "shrink",
+        "--timeout",
+        "60",
+        "--",
+        &fault,
+        "exit",
+        "1",
+        "3",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("the job cannot recover: no process is left to go on"), "{stderr}");
+    assert!(stderr.trim_end().ends_with("rank 1 on node 0 exited with code 3; ending the job"), "{stderr}");
+}
+
+#[test]
+fn a_failure_after_the_others_finished_still_fails_the_job() {
+    // Nobody is left to recover: the job ends as without --on-failure shrink, with the
+    // failed process's code.
+    let fault = ex("fault");
+    let out =
+        run(&["run", "-n", "3", "--on-failure", "shrink", "--timeout", "60", "--", &fault, "late-exit", "1", "5"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{stderr}");
+    assert!(stderr.contains("rank 1 on node 0 exited with code 5"), "{stderr}");
+    assert!(stderr.contains("the job cannot recover: no process is left to go on"), "{stderr}");
+}
+
+#[test]
+fn a_failure_before_the_job_has_started_ends_it() {
+    // The processes exit before they join: there is no group to recover yet.
+    let report = tmp("recover-early");
+    let argv = ["run", "-n", "3", "--on-failure", "shrink", "--timeout", "60", "--report"];
+    let mut argv = argv.to_vec();
+    argv.extend([report.to_str().unwrap(), "--", "sh", "-c", "exit 7"]);
+    let out = run(&argv);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "{stderr}");
+    assert!(stderr.contains("exited with code 7; the job cannot recover: the job had not started yet"), "{stderr}");
+    assert_no_survivors(&report);
+}

@@ -70,6 +70,12 @@ pub fn spawn_with_channel(
         }
     }
     cmd.args(args).env(CONTROL_FD_ENV, CONTROL_FD.to_string()).kill_on_drop(false);
+    if program == OWN_IMAGE {
+        // Named as it was started, not as `/proc/self/exe`, in `ps` and the like.
+        if let Ok(exe) = std::env::current_exe() {
+            cmd.arg0(exe);
+        }
+    }
     cmd.stdin(if input == Input::Inherit { Stdio::inherit() } else { Stdio::null() });
     cmd.env_remove(crate::controller::TEST_KEY_ENV);
     // Processes launch child jobs with the launcher that started them (see
@@ -93,6 +99,27 @@ pub fn spawn_with_channel(
         cmd.pre_exec(move || child_setup(Some(fd), new_group, parent_death.then_some(parent)));
     }
     cmd.spawn()
+}
+
+/// Where the running image of this program is: what starts another agent on this
+/// host.
+const OWN_IMAGE: &str = "/proc/self/exe";
+
+/// The program that starts another of this process's kind (an agent) on this host:
+/// on Linux the running image itself (`/proc/self/exe`), so that a launcher installed
+/// anew while jobs run (an upgrade on a cluster, a rebuild) does not break their
+/// growths: the path it was started from is then gone (`current_exe` says `... (deleted)`)
+/// or holds another build. Elsewhere, that path.
+///
+/// # Errors
+/// Neither is known.
+pub fn own_exe() -> std::io::Result<std::path::PathBuf> {
+    let image = std::path::Path::new(OWN_IMAGE);
+    if image.exists() {
+        Ok(image.to_path_buf())
+    } else {
+        std::env::current_exe()
+    }
 }
 
 /// Starts `ductile agent --stdio` on `host` through the job's remote shell (`net.rsh`,

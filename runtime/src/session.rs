@@ -118,6 +118,12 @@ fn transition_context(epoch: u64) -> Context {
     Context(TRANSITION_CTX | (epoch & EPOCH_CTX_MASK) as u32)
 }
 
+/// Whether `c` is the context of a change (its transition group or its background
+/// moves): a failure notice does not interrupt those (see `control`).
+fn in_change(c: Context) -> bool {
+    c.0 & 0x8000_0000 == 0 && c.0 & TRANSITION_CTX != 0
+}
+
 /// The context of a change's background moves: a transition context with the epoch's
 /// bit 29 flipped (epochs never get near 2^29).
 fn background_context(epoch: u64) -> Context {

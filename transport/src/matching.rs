@@ -188,16 +188,19 @@ struct State {
     claims: Vec<(Rank, std::sync::Weak<landed::ClaimReply>)>,
     next_id: u64,
     closed: bool,
-    /// Why receives fail at once, while set (see [`Mailbox::interrupt`]).
-    interrupted: Option<String>,
+    /// Why receives fail at once while set, and the contexts spared (see
+    /// [`Mailbox::interrupt`]).
+    interrupted: Option<(String, Spared)>,
 }
 
 impl State {
     /// The oldest queued message `pattern` matches; `None` if the receive must be
     /// posted; an error if it could never be satisfied.
     fn take_queued(&mut self, pattern: &Pattern) -> Result<Option<Envelope>, TransportError> {
-        if let Some(why) = &self.interrupted {
-            return Err(TransportError::Interrupted(why.clone()));
+        if let Some((why, spared)) = &self.interrupted {
+            if !spared(pattern.ctx) {
+                return Err(TransportError::Interrupted(why.clone()));
+            }
         }
         if let Some(pos) = self.unexpected.iter().position(|e| pattern.matches(e.src, e.ctx, e.tag)) {
             return Ok(self.unexpected.remove(pos));
@@ -221,6 +224,9 @@ impl State {
         id
     }
 }
+
+/// Which contexts an interruption spares (see [`Mailbox::interrupt`]).
+type Spared = fn(Context) -> bool;
 
 /// The outcome of posting a receive.
 #[derive(Debug)]
@@ -436,29 +442,42 @@ impl Mailbox {
         wake.into_iter().for_each(Waker::wake);
     }
 
-    /// Interrupts every receive: those waiting fail with
-    /// [`TransportError::Interrupted`]`(why)`, and so does every receive posted until
-    /// [`Mailbox::resume`]. How a process learns that others failed while it waits on
-    /// them, or on a process that waits on them (as ULFM's revoke): arriving messages
-    /// are still queued, so nothing sent to it is lost.
-    pub fn interrupt(&self, why: &str) {
+    /// Interrupts the receives of every context but those `spared` says: those waiting
+    /// fail with [`TransportError::Interrupted`]`(why)`, and so does every receive
+    /// posted until [`Mailbox::resume`]. How a process learns that the peers `failed`
+    /// failed while it waits on them, or on a live peer that waits on them (as ULFM's
+    /// revoke). Arriving messages are still queued, and a message from a live peer
+    /// already landing in place completes: nothing a live peer sends is lost.
+    pub fn interrupt(&self, why: &str, failed: &[Rank], spared: fn(Context) -> bool) {
         let wake = {
             let mut guard = self.lock();
             let st = &mut *guard;
-            st.interrupted = Some(why.to_string());
-            st.fail_claims(None, || TransportError::Interrupted(why.to_string()));
+            st.interrupted = Some((why.to_string(), spared));
+            for r in failed {
+                st.fail_claims(Some(*r), || TransportError::Interrupted(why.to_string()));
+            }
+            let mut waiting = VecDeque::with_capacity(st.posted.len());
             let mut wake = Vec::new();
             for p in st.posted.drain(..) {
-                wake.extend(p.reply.fail(p.id, TransportError::Interrupted(why.to_string()), &mut st.kept));
+                if spared(p.pattern.ctx) {
+                    waiting.push_back(p);
+                } else {
+                    wake.extend(p.reply.fail(p.id, TransportError::Interrupted(why.to_string()), &mut st.kept));
+                }
             }
+            st.posted = waiting;
             wake
         };
         wake.into_iter().for_each(Waker::wake);
     }
 
-    /// Ends an interruption: receives may be posted again.
-    pub fn resume(&self) {
-        self.lock().interrupted = None;
+    /// Ends an interruption: receives may be posted again. Queued messages of the
+    /// contexts `stale` says (those of the operations interrupted, which nobody will
+    /// receive now) are dropped.
+    pub fn resume(&self, stale: &dyn Fn(Context) -> bool) {
+        let mut st = self.lock();
+        st.interrupted = None;
+        st.unexpected.retain(|e| !stale(e.ctx));
     }
 
     /// Number of queued unmatched messages (diagnostics).
@@ -618,19 +637,27 @@ mod tests {
     }
 
     #[test]
-    fn an_interruption_fails_every_receive_until_resumed_and_loses_no_message() {
+    fn an_interruption_fails_receives_but_the_spared_until_resumed_and_loses_no_message() {
         let m = Mailbox::new();
         let from1 = posted(m.post(pat(Some(1), None)).unwrap());
         let any = posted(m.post(pat(None, None)).unwrap());
-        m.interrupt("rank 2 failed");
+        let spared_ctx = Pattern { ctx: Context(9), ..pat(Some(1), None) };
+        let spared = posted(m.post(spared_ctx).unwrap());
+        m.interrupt("rank 2 failed", &[Rank(2)], |c| c == Context(9));
         for id in [from1, any] {
             assert!(matches!(answer(&m, id).unwrap(), Err(TransportError::Interrupted(w)) if w == "rank 2 failed"));
         }
+        assert!(answer(&m, spared).is_none());
+        m.deliver(Envelope { ctx: Context(9), ..env(1, 3, b"spared") });
+        assert_eq!(answer(&m, spared).unwrap().unwrap().payload, &b"spared"[..]);
         // Posted while interrupted: fails at once, even with a message queued for it.
         m.deliver(env(1, 7, b"sent meanwhile"));
+        m.deliver(Envelope { ctx: Context(4), ..env(1, 8, b"stale") });
         assert!(matches!(m.post(pat(Some(1), Some(7))), Err(TransportError::Interrupted(_))));
-        m.resume();
+        // Resumed: the stale context's messages are dropped, the others kept.
+        m.resume(&|c| c == Context(4));
         assert_eq!(ready(m.post(pat(Some(1), Some(7))).unwrap()).payload, &b"sent meanwhile"[..]);
+        assert_eq!(m.queued(), 0);
         assert!(matches!(m.post(pat(None, None)).unwrap(), Posting::Posted(..)));
     }
 }

@@ -79,7 +79,7 @@ pub(super) async fn start_child(
         Some((net, host)) => crate::spawn::spawn_remote(net, host, false)
             .map_err(|e| fail(format!("cannot start the remote shell: {e}")))?,
         None => {
-            let exe = std::env::current_exe().map_err(|e| fail(e.to_string()))?;
+            let exe = crate::spawn::own_exe().map_err(|e| fail(e.to_string()))?;
             let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| fail(e.to_string()))?;
             let io = (Input::Null, Output::Inherit);
             let child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, io, false, None)

@@ -622,7 +622,6 @@ impl Supervisor {
 
     async fn relay(&mut self, id: Rank, m: FromRank) {
         match m {
-            FromRank::Finalized => {}
             FromRank::Ready { .. } => tracing::warn!("{id} reported ready twice"),
             other => {
                 let _ = self.up.send(&FromAgent::Rank(id, other)).await;

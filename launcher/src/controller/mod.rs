@@ -7,6 +7,7 @@ mod reconfig;
 mod recovery;
 pub mod remote;
 pub mod socket;
+mod status;
 
 use crate::layout::Layout;
 use crate::membership::JobState;
@@ -15,7 +16,7 @@ use crate::policy::{self, Bounds, PolicySpec, ResourceManager};
 use crate::proto::{
     AgentHandoff, ChannelRead, ChannelWrite, Exit, FromAgent, Network, RankStarted, ToAgent, Token, AGENT_VERSION,
 };
-use crate::report::{self, NodeReport, Report};
+use crate::report;
 use crate::spawn::{signal_group, Input};
 use ductile::bootstrap::nonblocking;
 use ductile_transport::{EndpointAddr, JobId, JobKey, NodeId, Rank};
@@ -197,6 +198,7 @@ enum Event {
 }
 
 /// Why the job ended early.
+#[derive(Clone)]
 enum Ending {
     Rank(String, NodeId, Exit),
     Node(NodeId, String),
@@ -249,6 +251,10 @@ pub(crate) struct Ctl {
     /// Survivors that said they were ready to recover before the controller learnt of
     /// the failure (their transport saw the failed peer first): endpoint, epoch, count.
     early_ready: Vec<(Rank, u64, u64)>,
+    /// Processes that finalized (they take part in no recovery).
+    finalized: HashSet<Rank>,
+    /// The job's first membership went out: processes can recover from failures.
+    fenced: bool,
     deferred: Option<Deferred>,
     queued: Option<Queued>,
     done: Vec<report::Reconfiguration>,
@@ -415,6 +421,8 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
         flight: None,
         recovering: None,
         early_ready: Vec::new(),
+        finalized: HashSet::new(),
+        fenced: false,
         deferred: None,
         queued: None,
         done: Vec::new(),
@@ -439,20 +447,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
     // Agents on other hosts that got their handoff as the job ended are told to abort
     // too, rather than left to the grace of `reap`.
     ctl.closing.store(true, std::sync::atomic::Ordering::Release);
-    while let Ok(ev) = events.try_recv() {
-        match ev {
-            Event::ShellStarted(a, child) => {
-                ctl.agents[a].pid = child.id().unwrap_or(0);
-                ctl.agents[a].child = Some(child);
-            }
-            Event::HandedOff(a, Ok((rx, tx, pid))) => {
-                ctl.agents[a].reader = Some(watch(&ctl.events, a, rx));
-                ctl.agents[a].tx = Some(tx);
-                ctl.agents[a].host_pid = Some(pid);
-            }
-            _ => {}
-        }
-    }
+    ctl.late_agents(&mut events);
     let code = ctl.finish().await;
     crate::output::printed(PRINT_FLUSH).await;
     // Answers to resize requests (a change completed as the job ended) are written
@@ -683,6 +678,7 @@ impl Ctl {
         for a in 0..self.agents.len() {
             self.send(a, &m).await;
         }
+        self.fenced = true;
         tracing::debug!("job {}: fence complete", self.job);
     }
 
@@ -713,15 +709,16 @@ impl Ctl {
                     _ => why,
                 };
                 let live: Vec<Rank> = self.agents[a].live.iter().copied().collect();
-                if self.recover_from(&live, format!("{node} was lost ({why})"), Some(node)).await {
-                    // Its processes are gone with it (they end when their agent does).
+                let lost = format!("{node} was lost ({why})");
+                if self.on_failure(&live, lost, Some(node), Ending::Node(node, why)).await {
+                    // Its processes are taken as gone with it. Locally they are: they end
+                    // with their agent. On another host, an agent cut off from the
+                    // launcher ends them once it has heard nothing for the heartbeat
+                    // limit; until then they may run on, but nothing of the job waits
+                    // for them, and the survivors no longer address them.
                     let ag = &mut self.agents[a];
                     (ag.done, ag.tx) = (true, None);
                     ag.live.clear();
-                    return;
-                }
-                if self.ending.is_none() {
-                    self.ending = Some(Ending::Node(node, why));
                 }
             }
             Event::ShellStarted(a, child) => {
@@ -779,13 +776,13 @@ impl Ctl {
                 let awaited = self.recovering.is_some() && self.state.ranks.contains(&rank);
                 if (exit != Exit::Code(0) || awaited) && !abandoned && !self.ended_by_us(rank) && self.ending.is_none()
                 {
-                    let who = self.who(rank);
-                    let node = self.agents[a].node;
-                    if !released && self.recover_from(&[rank], format!("{who} on {node} {exit}"), None).await {
-                        return self.after_exit().await;
+                    let (who, node) = (self.who(rank), self.agents[a].node);
+                    if released {
+                        self.ending = Some(Ending::Rank(format!("{who}, while leaving in a shrink,"), node, exit));
+                    } else {
+                        let why = format!("{who} on {node} {exit}");
+                        self.on_failure(&[rank], why, None, Ending::Rank(who, node, exit)).await;
                     }
-                    let who = if released { format!("{who}, while leaving in a shrink,") } else { who };
-                    self.ending = Some(Ending::Rank(who, self.agents[a].node, exit));
                 }
                 self.after_exit().await;
             }
@@ -825,8 +822,9 @@ impl Ctl {
         crate::output::printed(PRINT_FLUSH).await;
         if self.ending.is_none() {
             // Every rank ended within the grace, none with an error of its own: the
-            // failed checkpoint is still the job's failure.
-            self.ending = self.failed.take().map(|(_, why)| Ending::Reconfig(why));
+            // failed checkpoint is still the job's failure; so is a failure the job had
+            // not recovered from.
+            self.ending = self.failed.take().map(|(_, why)| Ending::Reconfig(why)).or_else(|| self.unrecovered());
         }
         let code = match &self.ending {
             Some(e) => {
@@ -900,89 +898,6 @@ impl Ctl {
                 signal_group(a.pid, libc::SIGKILL);
                 let _ = tokio::time::timeout(grace, child.wait()).await;
             }
-        }
-    }
-
-    /// What `ductile status` prints: the job's size, its changes, and where every rank
-    /// runs now.
-    fn status(&self) -> String {
-        let ranks = &self.state.ranks;
-        let count = |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
-        let mut s = format!(
-            "job {}: {}, {} on {}, epoch {}, {} done",
-            self.job,
-            self.spec.program.display(),
-            count(ranks.len(), "process", "processes"),
-            count(self.state.node_count() as usize, "node", "nodes"),
-            self.state.epoch,
-            count(self.done.len(), "change", "changes")
-        );
-        if self.flight.is_some() {
-            s.push_str("; a change is under way");
-        }
-        if self.queued.is_some() {
-            s.push_str("; a resize is queued");
-        }
-        for a in self.agents.iter().filter(|a| a.released_epoch.is_none() && !a.done && !a.abandoned) {
-            let mut placed: Vec<(usize, u32)> = a
-                .started
-                .iter()
-                .filter(|r| a.live.contains(&r.id))
-                .filter_map(|r| Some((ranks.iter().position(|x| *x == r.id)?, r.pid)))
-                .collect();
-            placed.sort_unstable();
-            // Live processes without a rank: leaving in a shrink, or joining in a growth.
-            let unranked = a.started.iter().filter(|r| a.live.contains(&r.id) && !ranks.contains(&r.id));
-            let leaving = unranked.clone().filter(|r| self.flight.as_ref().is_some_and(|f| f.is_leaving(r.id))).count();
-            let joining = unranked.count() - leaving;
-            let list = |f: &dyn Fn(&(usize, u32)) -> String| placed.iter().map(f).collect::<Vec<_>>().join(", ");
-            let plural = if placed.len() == 1 { "" } else { "s" };
-            let mut parts = Vec::new();
-            if !placed.is_empty() {
-                let (ranks, pids) = (list(&|p| p.0.to_string()), list(&|p| p.1.to_string()));
-                parts.push(format!("rank{plural} {ranks} (pid{plural} {pids})"));
-            }
-            for (n, what) in [(joining, "joining"), (leaving, "leaving")] {
-                if n > 0 {
-                    parts.push(format!("{n} {what}"));
-                }
-            }
-            if a.started.is_empty() {
-                parts.push("starting".into());
-            }
-            let on = self.host_name(a.node).map(|h| format!(" on {h}")).unwrap_or_default();
-            let pid = a.host_pid.unwrap_or(a.pid);
-            s.push_str(&format!("\n  {}{on} (agent pid {pid}): {}", a.node, parts.join(", ")));
-        }
-        s.push('\n');
-        s
-    }
-
-    fn report(&self, code: i32, started: Instant) -> Report {
-        Report {
-            job: self.job.to_string(),
-            control_socket: self.socket.display().to_string(),
-            program: self.spec.program.display().to_string(),
-            size: self.spec.layout.size(),
-            final_size: self.state.ranks.len() as u32,
-            exit_code: code,
-            failure: self.ending.as_ref().map(Ending::describe),
-            wall_ms: started.elapsed().as_secs_f64() * 1e3,
-            nodes: self
-                .agents
-                .iter()
-                .map(|a| NodeReport {
-                    node: a.node.0,
-                    host: self.host_name(a.node),
-                    agent_pid: a.host_pid.unwrap_or(a.pid),
-                    ranks: a.started.iter().map(|r| r.id.0).collect(),
-                    pids: a.started.iter().map(|r| r.pid).collect(),
-                    joined_epoch: a.joined_epoch,
-                    released_epoch: a.released_epoch,
-                })
-                .collect(),
-            reconfigurations: self.done.clone(),
-            failed_growths: self.failed_growths.clone(),
         }
     }
 }

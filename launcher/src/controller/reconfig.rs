@@ -108,6 +108,11 @@ pub struct InFlight {
 }
 
 impl InFlight {
+    /// Whether the change has switched, and only waits for processes to leave.
+    pub(super) fn releasing(&self) -> bool {
+        matches!(self.phase, Phase::Releasing { .. })
+    }
+
     /// Whether `r` is one of the processes this change releases.
     pub(super) fn is_leaving(&self, r: Rank) -> bool {
         self.leaving.contains(&r)
@@ -141,12 +146,18 @@ impl Ctl {
                 tracing::debug!("checkpoint from {id} during a recovery ignored");
             }
             FromRank::Recover { epoch, count } => self.on_recover(id, epoch, count).await,
+            FromRank::Finalized => self.on_finalized(id),
             FromRank::Checkpoint { epoch, count, mode, want_procs } => {
                 if id != self.state.ranks[0] || epoch != self.state.epoch && self.flight.is_none() {
                     tracing::warn!("checkpoint from {id} at epoch {epoch} ignored (rank 0 is {})", self.state.ranks[0]);
                     return;
                 }
                 let d = Deferred { agent: a, id, count, mode, want: want_procs };
+                if self.early_ready.iter().any(|e| e.1 == self.state.epoch) {
+                    // A process saw a peer fail that the controller has not heard of yet:
+                    // no change starts now, which would keep the job from recovering.
+                    return self.answer(&d, Decision::Continue).await;
+                }
                 if self.flight.is_some() {
                     self.deferred = Some(d);
                 } else {
@@ -714,6 +725,12 @@ impl Ctl {
             let _ = reply.send(ResizeReply::Done(r.summary()));
         }
         self.done.push(r);
+        if self.recovering.is_some() {
+            // Processes failed as the change ended: the recovery goes first, and rank 0's
+            // checkpoint is moot (it recovers instead).
+            self.deferred = None;
+            return self.recovered_all().await;
+        }
         if let Some(d) = self.deferred.take() {
             self.decide(d).await;
         }

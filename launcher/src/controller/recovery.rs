@@ -31,6 +31,8 @@ pub struct Recovering {
     failed: Vec<Rank>,
     /// Why, one entry per failure.
     why: Vec<String>,
+    /// How the job ends if it cannot recover: as the first failure would have ended it.
+    first: Ending,
     /// Nodes lost with their agents.
     lost_nodes: Vec<NodeId>,
     /// Survivors that have not yet said they are ready.
@@ -45,31 +47,91 @@ pub struct Recovering {
 
 impl Ctl {
     /// Processes `ids` failed (`why`; with their node `lost`, if the node was lost).
-    /// With `--on-failure shrink` the job recovers without them: returns whether it
-    /// does. When it does not, the caller ends the job as before.
-    pub(super) async fn recover_from(&mut self, ids: &[Rank], why: String, lost: Option<NodeId>) -> bool {
+    /// With `--on-failure shrink` the job recovers without them, and this returns true.
+    /// Otherwise the job ends: as `ending` says, or as the first failure of a recovery
+    /// under way would have ended it.
+    pub(super) async fn on_failure(&mut self, ids: &[Rank], why: String, lost: Option<NodeId>, ending: Ending) -> bool {
+        match self.cannot_recover(ids) {
+            Some(reason) => {
+                if self.spec.on_failure == OnFailure::Shrink && self.ending.is_none() {
+                    crate::say_errln!("ductile: {why}; the job cannot recover: {reason}");
+                }
+                self.give_up(ending);
+                false
+            }
+            None => {
+                self.recover_from(ids, why, lost, ending).await;
+                true
+            }
+        }
+    }
+
+    /// Why the job cannot recover from the failure of `ids`, if it cannot.
+    fn cannot_recover(&self, ids: &[Rank]) -> Option<String> {
         if self.spec.on_failure != OnFailure::Shrink || self.ending.is_some() || self.failed.is_some() {
-            return false;
+            return Some("--on-failure abort, or the job is ending".into());
         }
-        if self.flight.is_some() {
-            crate::say_errln!("ductile: {why} while a change was under way; the job cannot recover from that");
-            return false;
+        if !self.fenced {
+            return Some("the job had not started yet".into());
         }
+        if self.flight.as_ref().is_some_and(|f| !f.releasing()) {
+            return Some("another change was under way".into());
+        }
+        if !ids.iter().any(|r| self.state.ranks.contains(r)) {
+            return Some("the processes were not in the job's group".into());
+        }
+        let stale = self.early_ready.iter().find(|e| e.1 < self.state.epoch);
+        if let Some(&(id, epoch, _)) = stale {
+            return Some(format!("{} was still at epoch {epoch} (the job is at {})", self.who(id), self.state.epoch));
+        }
+        let failed = self.recovering.as_ref().map_or(&[][..], |r| &r.failed[..]);
+        if self.survivors(failed, ids).is_empty() {
+            return Some("no process is left to go on".into());
+        }
+        None
+    }
+
+    /// The processes that can recover: in the group, running, not finalized, and not
+    /// among `failed` or `also`.
+    fn survivors(&self, failed: &[Rank], also: &[Rank]) -> Vec<Rank> {
+        let running = |r: &Rank| self.agents.iter().any(|a| a.live.contains(r));
+        self.state
+            .ranks
+            .iter()
+            .copied()
+            .filter(|r| !failed.contains(r) && !also.contains(r) && running(r) && !self.finalized.contains(r))
+            .collect()
+    }
+
+    /// Ends the job as the first failure of the recovery under way would have (or as
+    /// `ending` says, without one).
+    fn give_up(&mut self, ending: Ending) {
+        let first = self.recovering.take().map(|r| r.first);
+        self.ending.get_or_insert(first.unwrap_or(ending));
+    }
+
+    /// The failure the job had not recovered from when it ended, if any.
+    pub(super) fn unrecovered(&mut self) -> Option<Ending> {
+        self.recovering.take().map(|r| r.first)
+    }
+
+    async fn recover_from(&mut self, ids: &[Rank], why: String, lost: Option<NodeId>, ending: Ending) {
         let members: Vec<Rank> = ids.iter().copied().filter(|r| self.state.ranks.contains(r)).collect();
-        if members.is_empty() {
-            return false;
+        if self.recovering.is_none() {
+            let waiting = self.survivors(&members, &[]).into_iter().collect();
+            self.recovering = Some(Recovering {
+                epoch: self.state.epoch,
+                failed: Vec::new(),
+                why: Vec::new(),
+                first: ending,
+                lost_nodes: Vec::new(),
+                waiting,
+                count: 0,
+                deadline: Instant::now() + self.wait_timeout,
+                t_start: Instant::now(),
+            });
         }
-        let (epoch, ranks, deadline) = (self.state.epoch, &self.state.ranks, Instant::now() + self.wait_timeout);
-        let r = self.recovering.get_or_insert_with(|| Recovering {
-            epoch,
-            failed: Vec::new(),
-            why: Vec::new(),
-            lost_nodes: Vec::new(),
-            waiting: ranks.iter().copied().collect(),
-            count: 0,
-            deadline,
-            t_start: Instant::now(),
-        });
+        let Some(r) = self.recovering.as_mut() else { return };
         // Survivors whose transports saw the failure before this controller did.
         for &(id, _, count) in self.early_ready.iter().filter(|e| e.1 == r.epoch) {
             r.waiting.remove(&id);
@@ -84,12 +146,9 @@ impl Ctl {
         }
         r.why.push(why.clone());
         r.lost_nodes.extend(lost);
-        let survivors: Vec<Rank> = self.state.ranks.iter().copied().filter(|s| !r.failed.contains(s)).collect();
-        if survivors.is_empty() {
-            crate::say_errln!("ductile: {why}, and no process is left to go on");
-            self.recovering = None;
-            return false;
-        }
+        let epoch = r.epoch;
+        let failed = r.failed.clone();
+        let survivors = self.survivors(&failed, &[]);
         let nodes: HashSet<NodeId> = self
             .state
             .ranks
@@ -110,28 +169,54 @@ impl Ctl {
             }
         }
         self.recovered_all().await;
-        true
     }
 
     /// Survivor `id` is ready to recover from the failures of `epoch`, at its
     /// checkpoint `count`.
     pub(super) async fn on_recover(&mut self, id: Rank, epoch: u64, count: u64) {
-        let Some(r) = self.recovering.as_mut().filter(|r| r.epoch == epoch) else {
-            // Its transport saw a peer fail before the peer's agent said so: kept for
-            // the recovery to come (a false alarm leaves it waiting, within its timeout).
-            tracing::debug!("{id} is ready to recover at epoch {epoch} before a failure is known there");
-            self.early_ready.retain(|e| e.0 != id && e.1 >= self.state.epoch);
-            self.early_ready.push((id, epoch, count));
-            return;
-        };
-        r.waiting.remove(&id);
-        r.count = r.count.max(count);
-        self.recovered_all().await;
+        match self.recovering.as_mut() {
+            Some(r) if r.epoch == epoch => {
+                r.waiting.remove(&id);
+                r.count = r.count.max(count);
+                self.recovered_all().await;
+            }
+            Some(r) => {
+                // It failed in an earlier epoch (still switching when the others had):
+                // it cannot take part.
+                let theirs = r.epoch;
+                let why = format!("{} was ready to recover at epoch {epoch}, the others at {theirs}", self.who(id));
+                crate::say_errln!("ductile: the job cannot recover: {why}");
+                self.give_up(Ending::Reconfig(why));
+            }
+            None => {
+                // Its transport saw a peer fail before the peer's agent said so: kept for
+                // the recovery to come (a false alarm leaves it waiting, within its
+                // timeout; meanwhile no change starts).
+                tracing::debug!("{id} is ready to recover at epoch {epoch} before a failure is known there");
+                self.early_ready.retain(|e| e.0 != id);
+                self.early_ready.push((id, epoch, count));
+            }
+        }
     }
 
-    /// Once every survivor is ready: sends them the change that leaves the failed
-    /// processes out.
-    async fn recovered_all(&mut self) {
+    /// Process `id` finalized: it takes part in no recovery. One that a recovery under
+    /// way waits for ends the job.
+    pub(super) fn on_finalized(&mut self, id: Rank) {
+        self.finalized.insert(id);
+        if self.recovering.as_ref().is_some_and(|r| r.waiting.contains(&id)) {
+            crate::say_errln!("ductile: {} finalized instead of recovering; the job cannot recover", self.who(id));
+            let first = self.unrecovered();
+            self.ending.get_or_insert_with(|| first.unwrap_or(Ending::Reconfig("a recovery failed".into())));
+        }
+    }
+
+    /// Once every survivor is ready, and no change is under way: sends them the change
+    /// that leaves the failed processes out.
+    pub(super) async fn recovered_all(&mut self) {
+        if self.flight.is_some() {
+            // A shrink releasing its processes: the recovery follows when it is done.
+            return;
+        }
         let Some(r) = self.recovering.take_if(|r| r.waiting.is_empty()) else { return };
         let (mut change, next) = self.state.after_failure(&r.failed, &r.lost_nodes);
         change.checkpoint = r.count;

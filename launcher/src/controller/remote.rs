@@ -344,7 +344,7 @@ impl super::Ctl {
 
     /// Starts node `node`'s agent here, with a channel as fd 3.
     pub(super) fn start_local_agent(&self, node: NodeId) -> anyhow::Result<(Child, ChannelRead, ChannelWrite)> {
-        let exe = std::env::current_exe()?;
+        let exe = crate::spawn::own_exe()?;
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         let input = stdin_for(node, self.spec.adopt.is_some());
         let child =

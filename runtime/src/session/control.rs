@@ -3,8 +3,10 @@
 //!
 //! A failure notice interrupts the endpoint's receives at once (`Mailbox::interrupt`):
 //! a process blocked on a failed peer, or on a live one that is itself blocked on it,
-//! gets [`TransportError::Interrupted`] instead of waiting out its timeout, and
-//! recovers at its next checkpoint ([`super::Session::checkpoint`]). Every other
+//! gets `TransportError::Interrupted` instead of waiting out its timeout, and
+//! recovers at its next checkpoint ([`super::Session::checkpoint`]). The receives of
+//! a change are spared (see `super::in_change`): a process still finishing the switch
+//! to the epoch the failure happened in completes it, and recovers from there. Every other
 //! message (the controller's decisions) is passed on, in order, to the checkpoint that
 //! waits for it; so is the notice, which wakes a rank 0 waiting for a decision.
 
@@ -49,7 +51,8 @@ impl Watcher {
                             *known = Some(merged);
                             why
                         };
-                        mailbox.interrupt(&format!("{why}; the job recovers at the next checkpoint"));
+                        let why = format!("{why}; the job recovers at the next checkpoint");
+                        mailbox.interrupt(&why, &f.failed, super::in_change);
                         if tx.send(Ok(ToRank::Failure(f))).is_err() {
                             return;
                         }
@@ -139,6 +142,11 @@ mod tests {
         let (mut ours, theirs) = UnixStream::pair().unwrap();
         let mailbox = Arc::new(Mailbox::new());
         let w = Watcher::start(&theirs, mailbox.clone()).unwrap();
+        let spared = mailbox.post(ductile_transport::Pattern {
+            ctx: super::super::transition_context(1),
+            src: ductile_transport::SrcMatch::Any,
+            tag: ductile_transport::TagMatch::Any,
+        });
         let f = Failure { epoch: 0, failed: vec![Rank(1)], why: "rank 1 failed".into() };
         bootstrap::write_msg(&mut ours, &ToRank::Failure(f.clone())).unwrap();
         bootstrap::write_msg(&mut ours, &ToRank::Decision(bootstrap::Decision::Continue)).unwrap();
@@ -151,6 +159,9 @@ mod tests {
             tag: ductile_transport::TagMatch::Any,
         };
         assert!(matches!(mailbox.post(pattern), Err(TransportError::Interrupted(_))));
+        // A change's receive is not interrupted.
+        let Ok(ductile_transport::Posting::Posted(id)) = spared else { panic!("{spared:?}") };
+        assert!(mailbox.withdraw(id).is_none());
         w.recovered();
         assert_eq!(w.failure(), None);
         assert!(w.try_next().unwrap().is_none());

@@ -70,7 +70,9 @@ impl Session {
         };
         let why = w.failure().map(|f| f.why).unwrap_or_default();
         w.recovered();
-        self.endpoint.mailbox().resume();
+        // What the interrupted operations of this epoch left queued is for no one now.
+        let world = super::world_context(epoch);
+        self.endpoint.mailbox().resume(&|c| c == world);
         self.pending = false;
         self.apply_recovery(change, why)
     }
