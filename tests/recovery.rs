@@ -211,3 +211,70 @@ fn a_failure_before_the_job_has_started_ends_it() {
     assert!(stderr.contains("exited with code 7; the job cannot recover: the job had not started yet"), "{stderr}");
     assert_no_survivors(&report);
 }
+
+#[test]
+fn a_failure_while_a_growth_starts_abandons_the_growth_and_recovers() {
+    let report = tmp("recover-growing");
+    let fault = ex("fault");
+    let argv = [
+        "run",
+        "-n",
+        "4",
+        "--nodes",
+        "2",
+        "--max-nodes",
+        "3",
+        "--on-failure",
+        "shrink",
+        "--timeout",
+        "120",
+        "--report",
+        report.to_str().unwrap(),
+        "--",
+        &fault,
+        "recover",
+        "none",
+        "0",
+        "40",
+        "50",
+    ];
+    // Growths take 3 s to start their node worlds.
+    let mut c = ductile(&argv);
+    c.env("DUCTILE_TEST_SPAWN_DELAY_MS", "3000");
+    let mut job = Running(c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start ductile"));
+    let (out, err) = (lines_of(job.0.stdout.take().unwrap()), lines_of(job.0.stderr.take().unwrap()));
+    let first = err.recv_timeout(Duration::from_secs(30)).expect("the job's first line");
+    let id = first.split_whitespace().nth(2).expect("job id").trim_end_matches(',').to_string();
+    let step = out.recv_timeout(Duration::from_secs(30)).expect("a first step");
+    assert!(step.starts_with("step "), "{step}");
+    let mut resize = ductile(&["resize", &id, "--nodes", "3", "--wait", "60"]);
+    let mut resize = Running(resize.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
+    let answer = lines_of(resize.0.stderr.take().unwrap());
+    // Once the growth is starting, rank 2 is killed.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let line = loop {
+        let text = String::from_utf8_lossy(&run(&["status", &id]).stdout).into_owned();
+        if text.contains("a change is under way") {
+            break text.lines().find(|l| l.trim_start().starts_with("node 1 ")).unwrap().to_string();
+        }
+        assert!(Instant::now() < deadline, "no growth under way: {text}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let pids = line.split("(pids ").nth(1).unwrap().split(')').next().unwrap();
+    let rank2: i32 = pids.split(", ").next().unwrap().parse().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(rank2), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let code = wait_with_timeout(&mut job.0, Duration::from_secs(90));
+    wait_with_timeout(&mut resize.0, Duration::from_secs(30));
+    let answer: Vec<String> = answer.try_iter().collect();
+    let rest: Vec<String> = out.try_iter().collect();
+    let errs: Vec<String> = err.try_iter().collect();
+    assert!(code.success(), "{code:?}\n{rest:?}\n{errs:?}");
+    assert!(answer.iter().any(|l| l.contains("failed before the switch")), "{answer:?}");
+    let recovered = rest.iter().find(|l| l.starts_with("recovered at step")).unwrap_or_else(|| panic!("{rest:?}"));
+    assert!(recovered.contains("ranks [2] of 4 failed (rank 2 on node 1 was killed by signal 9)"), "{recovered}");
+    assert!(rest.iter().any(|l| l == "recover: done with 3 processes, the data whole"), "{rest:?}");
+    assert_no_survivors(&report);
+    let report = read_report(&report);
+    failure_shrink(&report);
+    assert_eq!(report["failed_growths"].as_array().map(Vec::len), Some(1), "{report:#}");
+}

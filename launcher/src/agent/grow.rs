@@ -6,6 +6,10 @@ use super::*;
 /// Starts the node worlds of `orders` (one sequence per spawner, side by side) and
 /// returns every node world of their subtrees once all are up.
 pub(super) async fn grow(h: &AgentHandoff, orders: Vec<SpawnOrder>) -> Result<Vec<NodeStarted>, String> {
+    let delay = std::env::var(SPAWN_DELAY_ENV).ok().and_then(|v| v.parse().ok()).filter(|_| cfg!(debug_assertions));
+    if let Some(ms) = delay {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
     let mut seqs: BTreeMap<u32, Vec<SpawnOrder>> = BTreeMap::new();
     for o in orders {
         seqs.entry(o.spawner).or_default().push(o);
@@ -17,6 +21,11 @@ pub(super) async fn grow(h: &AgentHandoff, orders: Vec<SpawnOrder>) -> Result<Ve
     let all = futures_util::future::try_join_all(runs).await?;
     Ok(all.into_iter().flatten().collect())
 }
+
+/// Testing knob, honoured by debug builds only: delays every growth an agent starts by
+/// as many milliseconds, as slow node starts do, so that the tests can fail a process
+/// while a growth is still starting.
+const SPAWN_DELAY_ENV: &str = "DUCTILE_TEST_SPAWN_DELAY_MS";
 
 /// One spawner's orders: each new world is started once the previous one's agent has
 /// taken over; their readiness and subtree reports are awaited together at the end.

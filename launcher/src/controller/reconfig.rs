@@ -108,9 +108,15 @@ pub struct InFlight {
 }
 
 impl InFlight {
-    /// Whether the change has switched, and only waits for processes to leave.
-    pub(super) fn releasing(&self) -> bool {
-        matches!(self.phase, Phase::Releasing { .. })
+    /// Whether the change has gone out to the processes and they are switching.
+    pub(super) fn switching(&self) -> bool {
+        matches!(self.phase, Phase::Switching)
+    }
+
+    /// Whether the change is a growth still starting its processes, which the old ones
+    /// have not heard of.
+    pub(super) fn spawning(&self) -> bool {
+        matches!(self.phase, Phase::Spawning { .. })
     }
 
     /// Whether `r` is one of the processes this change releases.
@@ -472,6 +478,11 @@ impl Ctl {
                     }
                 }
                 f.fail(&format!("resize {seq} failed before the switch: {why}; the job goes on as it was"));
+                if self.recovering.is_some() {
+                    // Dropped for a failure: the recovery goes first.
+                    self.deferred = None;
+                    return self.recovered_all().await;
+                }
                 if let Some(d) = self.deferred.take() {
                     self.decide(d).await;
                 }

@@ -74,8 +74,8 @@ impl Ctl {
         if !self.fenced {
             return Some("the job had not started yet".into());
         }
-        if self.flight.as_ref().is_some_and(|f| !f.releasing()) {
-            return Some("another change was under way".into());
+        if self.flight.as_ref().is_some_and(super::reconfig::InFlight::switching) {
+            return Some("another change was switching".into());
         }
         if !ids.iter().any(|r| self.state.ranks.contains(r)) {
             return Some("the processes were not in the job's group".into());
@@ -162,11 +162,17 @@ impl Ctl {
         crate::say_errln!(
             "ductile: {why}; the job goes on without it: {n} process{ps} on {k} node{ns} (--on-failure shrink)"
         );
+        let why_first = why.clone();
         let notice = ToRank::Failure(Failure { epoch, failed: members, why });
         for s in survivors {
             if let Some(&a) = self.host.get(&s) {
                 self.send(a, &ToAgent::ToRank(s, notice.clone())).await;
             }
+        }
+        if self.flight.as_ref().is_some_and(super::reconfig::InFlight::spawning) {
+            // A growth still starting: the old processes have not heard of it. It is
+            // abandoned, and the recovery follows once its node worlds are ended.
+            self.fail_growth(format!("{why_first} meanwhile")).await;
         }
         self.recovered_all().await;
     }
@@ -214,7 +220,8 @@ impl Ctl {
     /// that leaves the failed processes out.
     pub(super) async fn recovered_all(&mut self) {
         if self.flight.is_some() {
-            // A shrink releasing its processes: the recovery follows when it is done.
+            // A shrink releasing its processes, or a growth being abandoned: the
+            // recovery follows when it is done.
             return;
         }
         let Some(r) = self.recovering.take_if(|r| r.waiting.is_empty()) else { return };
