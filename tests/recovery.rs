@@ -35,6 +35,60 @@ fn failure_shrink(report: &serde_json::Value) -> &serde_json::Value {
     r
 }
 
+/// A job of `fault recover none 0 STEPS PAUSE_MS` (no process fails by itself) under
+/// `ductile run OPTS --on-failure shrink --report REPORT`, with `env`, its output read
+/// as it comes.
+struct Watched {
+    job: Running,
+    out: std::sync::mpsc::Receiver<String>,
+    err: std::sync::mpsc::Receiver<String>,
+    /// The job's id.
+    id: String,
+}
+
+impl Watched {
+    fn start(opts: &str, report: &std::path::Path, steps_pause: &str, env: &[(&str, &str)]) -> Self {
+        let fault = ex("fault");
+        let mut argv: Vec<&str> = "run --on-failure shrink --timeout 120".split(' ').collect();
+        argv.extend(opts.split(' '));
+        argv.extend(["--report", report.to_str().unwrap(), "--", &fault, "recover", "none", "0"]);
+        argv.extend(steps_pause.split(' '));
+        let mut c = ductile(&argv);
+        c.envs(env.iter().copied());
+        let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start ductile");
+        let (out, err) = (lines_of(child.stdout.take().unwrap()), lines_of(child.stderr.take().unwrap()));
+        let job = Running(child);
+        let first = err.recv_timeout(Duration::from_secs(30)).expect("the job's first line");
+        let id = first.split_whitespace().nth(2).expect("job id").trim_end_matches(',').to_string();
+        Self { job, out, err, id }
+    }
+
+    /// Waits (60 s at most) for the line `step N: ...`.
+    fn await_step(&self, n: u32) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut seen = Vec::new();
+        let want = format!("step {n}:");
+        while !seen.last().is_some_and(|l: &String| l.starts_with(&want)) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            seen.push(self.out.recv_timeout(left).unwrap_or_else(|_| panic!("no {want} {seen:?}")));
+        }
+    }
+
+    /// Waits for the job's end; returns its stdout's last lines, after checking that it
+    /// recovered from the failure of `ranks` and ended well with `survivors` processes.
+    fn recovered(mut self, ranks: &str, survivors: usize) -> String {
+        let code = wait_with_timeout(&mut self.job.0, Duration::from_secs(90));
+        let rest: Vec<String> = self.out.try_iter().collect();
+        let errs: Vec<String> = self.err.try_iter().collect();
+        assert!(code.success(), "{code:?}\n{rest:?}\n{errs:?}");
+        let done = format!("recover: done with {survivors} processes, the data whole");
+        assert!(rest.contains(&done), "{rest:?}\n{errs:?}");
+        let line = rest.iter().find(|l| l.starts_with("recovered at step")).unwrap_or_else(|| panic!("{rest:?}"));
+        assert!(line.contains(&format!("ranks {ranks} of ")), "{line}");
+        line.clone()
+    }
+}
+
 #[test]
 fn a_failed_process_is_a_shrink_and_the_survivors_data_is_intact_over_every_transport() {
     // Rank 2 of 4 exits at step 3: its quarter of the array is lost (zero), the rest is
@@ -71,51 +125,16 @@ fn the_failure_of_rank_0_hands_the_job_to_the_next_survivor() {
 #[test]
 fn a_lost_node_is_a_shrink_of_all_its_processes() {
     let report = tmp("recover-node");
-    let fault = ex("fault");
-    let argv = [
-        "run",
-        "-n",
-        "6",
-        "--nodes",
-        "3",
-        "--on-failure",
-        "shrink",
-        "--timeout",
-        "120",
-        "--report",
-        report.to_str().unwrap(),
-        "--",
-        &fault,
-        "recover",
-        "none",
-        "0",
-        "60",
-        "40",
-    ];
-    let mut child = ductile(&argv).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start ductile");
-    let (out, err) = (lines_of(child.stdout.take().unwrap()), lines_of(child.stderr.take().unwrap()));
-    let mut job = Running(child);
-    let first = err.recv_timeout(Duration::from_secs(30)).expect("the job's first line");
-    let id = first.split_whitespace().nth(2).expect("job id").trim_end_matches(',').to_string();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut seen = Vec::new();
-    while !seen.last().is_some_and(|l: &String| l.starts_with("step 5:")) {
-        let left = deadline.saturating_duration_since(Instant::now());
-        seen.push(out.recv_timeout(left).unwrap_or_else(|_| panic!("no step 5: {seen:?}")));
-    }
+    let w = Watched::start("-n 6 --nodes 3", &report, "60 40", &[]);
+    w.await_step(5);
     // Node 1's agent, killed: its ranks end with it (they die with their parent).
-    let status = run(&["status", &id]);
+    let status = run(&["status", &w.id]);
     let text = String::from_utf8_lossy(&status.stdout).into_owned();
     let line = text.lines().find(|l| l.trim_start().starts_with("node 1 ")).unwrap_or_else(|| panic!("{text}"));
     let pid: i32 = line.split("agent pid ").nth(1).and_then(|s| s.split(')').next()).unwrap().parse().unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
-    let code = wait_with_timeout(&mut job.0, Duration::from_secs(90));
-    let rest: Vec<String> = out.try_iter().collect();
-    let errs: Vec<String> = err.try_iter().collect();
-    assert!(code.success(), "{code:?}\n{rest:?}\n{errs:?}");
-    let recovered = rest.iter().find(|l| l.starts_with("recovered at step")).unwrap_or_else(|| panic!("{rest:?}"));
-    assert!(recovered.contains("ranks [2, 3] of 6 failed (node 1 was lost"), "{recovered}");
-    assert!(rest.iter().any(|l| l == "recover: done with 4 processes, the data whole"), "{rest:?}");
+    let recovered = w.recovered("[2, 3]", 4);
+    assert!(recovered.contains("of 6 failed (node 1 was lost"), "{recovered}");
     assert_no_survivors(&report);
     let report = read_report(&report);
     let r = failure_shrink(&report);
@@ -215,45 +234,17 @@ fn a_failure_before_the_job_has_started_ends_it() {
 #[test]
 fn a_failure_while_a_growth_starts_abandons_the_growth_and_recovers() {
     let report = tmp("recover-growing");
-    let fault = ex("fault");
-    let argv = [
-        "run",
-        "-n",
-        "4",
-        "--nodes",
-        "2",
-        "--max-nodes",
-        "3",
-        "--on-failure",
-        "shrink",
-        "--timeout",
-        "120",
-        "--report",
-        report.to_str().unwrap(),
-        "--",
-        &fault,
-        "recover",
-        "none",
-        "0",
-        "40",
-        "50",
-    ];
     // Growths take 3 s to start their node worlds.
-    let mut c = ductile(&argv);
-    c.env("DUCTILE_TEST_SPAWN_DELAY_MS", "3000");
-    let mut job = Running(c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start ductile"));
-    let (out, err) = (lines_of(job.0.stdout.take().unwrap()), lines_of(job.0.stderr.take().unwrap()));
-    let first = err.recv_timeout(Duration::from_secs(30)).expect("the job's first line");
-    let id = first.split_whitespace().nth(2).expect("job id").trim_end_matches(',').to_string();
-    let step = out.recv_timeout(Duration::from_secs(30)).expect("a first step");
-    assert!(step.starts_with("step "), "{step}");
-    let mut resize = ductile(&["resize", &id, "--nodes", "3", "--wait", "60"]);
+    let w =
+        Watched::start("-n 4 --nodes 2 --max-nodes 3", &report, "40 50", &[("DUCTILE_TEST_SPAWN_DELAY_MS", "3000")]);
+    w.await_step(1);
+    let mut resize = ductile(&["resize", &w.id, "--nodes", "3", "--wait", "60"]);
     let mut resize = Running(resize.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
     let answer = lines_of(resize.0.stderr.take().unwrap());
     // Once the growth is starting, rank 2 is killed.
     let deadline = Instant::now() + Duration::from_secs(20);
     let line = loop {
-        let text = String::from_utf8_lossy(&run(&["status", &id]).stdout).into_owned();
+        let text = String::from_utf8_lossy(&run(&["status", &w.id]).stdout).into_owned();
         if text.contains("a change is under way") {
             break text.lines().find(|l| l.trim_start().starts_with("node 1 ")).unwrap().to_string();
         }
@@ -263,16 +254,11 @@ fn a_failure_while_a_growth_starts_abandons_the_growth_and_recovers() {
     let pids = line.split("(pids ").nth(1).unwrap().split(')').next().unwrap();
     let rank2: i32 = pids.split(", ").next().unwrap().parse().unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(rank2), nix::sys::signal::Signal::SIGKILL).unwrap();
-    let code = wait_with_timeout(&mut job.0, Duration::from_secs(90));
+    let recovered = w.recovered("[2]", 3);
+    assert!(recovered.contains("of 4 failed (rank 2 on node 1 was killed by signal 9)"), "{recovered}");
     wait_with_timeout(&mut resize.0, Duration::from_secs(30));
     let answer: Vec<String> = answer.try_iter().collect();
-    let rest: Vec<String> = out.try_iter().collect();
-    let errs: Vec<String> = err.try_iter().collect();
-    assert!(code.success(), "{code:?}\n{rest:?}\n{errs:?}");
     assert!(answer.iter().any(|l| l.contains("failed before the switch")), "{answer:?}");
-    let recovered = rest.iter().find(|l| l.starts_with("recovered at step")).unwrap_or_else(|| panic!("{rest:?}"));
-    assert!(recovered.contains("ranks [2] of 4 failed (rank 2 on node 1 was killed by signal 9)"), "{recovered}");
-    assert!(rest.iter().any(|l| l == "recover: done with 3 processes, the data whole"), "{rest:?}");
     assert_no_survivors(&report);
     let report = read_report(&report);
     failure_shrink(&report);

@@ -241,6 +241,17 @@ impl Ctl {
         self.switch(change).await;
     }
 
+    /// What `ductile status` says of a recovery under way.
+    pub(super) fn recovery_status(&self) -> Option<String> {
+        let r = self.recovering.as_ref()?;
+        let failed: Vec<String> = r.failed.iter().map(|id| format!("endpoint {}", id.0)).collect();
+        Some(format!(
+            "recovering from the failure of {} ({} survivors not ready yet)",
+            failed.join(", "),
+            r.waiting.len()
+        ))
+    }
+
     /// Ends the job if survivors did not get ready in time.
     pub(super) fn recovery_deadline(&mut self) {
         let Some(r) = self.recovering.as_ref().filter(|r| Instant::now() >= r.deadline) else { return };

@@ -42,6 +42,10 @@ impl Ctl {
         if self.flight.is_some() {
             s.push_str("; a change is under way");
         }
+        if let Some(r) = self.recovery_status() {
+            s.push_str("; ");
+            s.push_str(&r);
+        }
         if self.queued.is_some() {
             s.push_str("; a resize is queued");
         }
