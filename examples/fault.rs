@@ -93,7 +93,7 @@ fn main() -> anyhow::Result<()> {
             world.barrier()?;
         }
         _ => bail!(
-            "usage: fault exit RANK CODE | fault hang | fault chatter | fault signals | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS | fault recover DIES AT STEPS PAUSE_MS | fault late-exit RANK CODE"
+            "usage: fault exit RANK CODE | fault hang | fault chatter | fault signals | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS | fault recover DIES AT STEPS PAUSE_MS [ELEMENTS] | fault late-exit RANK CODE"
         ),
     }
     session.finalize()?;
@@ -146,7 +146,8 @@ fn join_slow(args: &[String]) -> anyhow::Result<()> {
     Ok(session.finalize()?)
 }
 
-/// Elements of the array `recover` registers: not a multiple of any process count used.
+/// Elements of the array `recover` registers unless told: not a multiple of any
+/// process count used.
 const RECOVER_ELEMENTS: u64 = 1_000_003;
 
 /// The value of element `g` of the array `recover` registers: never zero, so that a
@@ -155,16 +156,17 @@ fn value(g: u64) -> u64 {
     g.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1
 }
 
-/// `recover DIES AT STEPS PAUSE_MS`: every rank registers a block of a distributed array
-/// and the step counter, then runs STEPS steps of an allreduce and a checkpoint,
-/// PAUSE_MS apart. At step AT the process that is rank DIES exits with code 3. The
+/// `recover DIES AT STEPS PAUSE_MS [ELEMENTS]`: every rank registers a block of a
+/// distributed array (of ELEMENTS u64, default [`RECOVER_ELEMENTS`]) and the step
+/// counter, then runs STEPS steps of an allreduce and a checkpoint, PAUSE_MS apart; a
+/// process released by a shrink leaves. At step AT the process that is rank DIES exits with code 3. The
 /// others' calls fail; each then calls the checkpoint, which returns `Recovered`, and
 /// checks its new block: zero exactly where the recovery says data was lost, every
 /// other element as it was. It fills the lost elements in again (as an application
 /// would from its own checkpoint), takes the step counter from the registry (the
 /// survivors may have been a step apart), and goes on. At the end every block is whole.
 fn recover(args: &[String]) -> anyhow::Result<()> {
-    let usage = "fault recover DIES AT STEPS PAUSE_MS";
+    let usage = "fault recover DIES AT STEPS PAUSE_MS [ELEMENTS]";
     let dies: Option<usize> = match args.first().context(usage)?.as_str() {
         "none" => None,
         r => Some(r.parse()?),
@@ -172,9 +174,10 @@ fn recover(args: &[String]) -> anyhow::Result<()> {
     let at: u64 = args.get(1).context(usage)?.parse()?;
     let steps: u64 = args.get(2).context(usage)?.parse()?;
     let pause = std::time::Duration::from_millis(args.get(3).context(usage)?.parse()?);
+    let n: u64 = args.get(4).map_or(Ok(RECOVER_ELEMENTS), |a| a.parse())?;
     let mut s = ductile::init()?;
-    let range = ductile::block_range(RECOVER_ELEMENTS, s.world().size() as u32, s.world().rank() as u32);
-    s.distribute("data", RECOVER_ELEMENTS, &range.map(value).collect::<Vec<u64>>())?;
+    let range = ductile::block_range(n, s.world().size() as u32, s.world().rank() as u32);
+    s.distribute("data", n, &range.map(value).collect::<Vec<u64>>())?;
     let mut step = 0u64;
     s.replicate("step", &step)?;
     while step < steps {
@@ -195,9 +198,13 @@ fn recover(args: &[String]) -> anyhow::Result<()> {
         }
         std::thread::sleep(pause);
         s.replicate("step", &step)?;
-        if let ductile::Checkpoint::Recovered(rc) = s.checkpoint()? {
-            step = s.replicated("step")?;
-            check_recovered(&mut s, &rc, step)?;
+        match s.checkpoint()? {
+            ductile::Checkpoint::Recovered(rc) => {
+                step = s.replicated("step")?;
+                check_recovered(&mut s, &rc, (n, step))?;
+            }
+            ductile::Checkpoint::Released(_) => return Ok(s.finalize()?),
+            _ => {}
         }
     }
     let range = s.block_range("data")?;
@@ -212,13 +219,10 @@ fn recover(args: &[String]) -> anyhow::Result<()> {
 
 /// After a recovery: the new block is zero where data was lost and intact elsewhere;
 /// the lost elements are filled in again.
-fn check_recovered(s: &mut ductile::Session, rc: &ductile::Recovery, step: u64) -> anyhow::Result<()> {
+fn check_recovered(s: &mut ductile::Session, rc: &ductile::Recovery, (n, step): (u64, u64)) -> anyhow::Result<()> {
     let old = rc.resize.old_size as u32;
-    let mut expected: Vec<(String, std::ops::Range<u64>)> = rc
-        .failed
-        .iter()
-        .map(|&f| ("data".to_string(), ductile::block_range(RECOVER_ELEMENTS, old, f as u32)))
-        .collect();
+    let mut expected: Vec<(String, std::ops::Range<u64>)> =
+        rc.failed.iter().map(|&f| ("data".to_string(), ductile::block_range(n, old, f as u32))).collect();
     expected.retain(|(_, r)| !r.is_empty());
     if rc.lost != expected {
         bail!("lost {:?}, expected {expected:?}", rc.lost);

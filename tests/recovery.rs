@@ -46,6 +46,16 @@ struct Watched {
     id: String,
 }
 
+/// The lines still to come from `rx`, up to the end of its pipe (10 s at most).
+fn drain(rx: &std::sync::mpsc::Receiver<String>) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut lines = Vec::new();
+    while let Ok(l) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        lines.push(l);
+    }
+    lines
+}
+
 impl Watched {
     fn start(opts: &str, report: &std::path::Path, steps_pause: &str, env: &[(&str, &str)]) -> Self {
         let fault = ex("fault");
@@ -78,8 +88,7 @@ impl Watched {
     /// recovered from the failure of `ranks` and ended well with `survivors` processes.
     fn recovered(mut self, ranks: &str, survivors: usize) -> String {
         let code = wait_with_timeout(&mut self.job.0, Duration::from_secs(90));
-        let rest: Vec<String> = self.out.try_iter().collect();
-        let errs: Vec<String> = self.err.try_iter().collect();
+        let (rest, errs) = (drain(&self.out), drain(&self.err));
         assert!(code.success(), "{code:?}\n{rest:?}\n{errs:?}");
         let done = format!("recover: done with {survivors} processes, the data whole");
         assert!(rest.contains(&done), "{rest:?}\n{errs:?}");
@@ -236,8 +245,8 @@ fn a_failure_while_a_growth_starts_abandons_the_growth_and_recovers() {
     let report = tmp("recover-growing");
     // Growths take 3 s to start their node worlds.
     let w =
-        Watched::start("-n 4 --nodes 2 --max-nodes 3", &report, "40 50", &[("DUCTILE_TEST_SPAWN_DELAY_MS", "3000")]);
-    w.await_step(1);
+        Watched::start("-n 4 --nodes 2 --max-nodes 3", &report, "60 50", &[("DUCTILE_TEST_SPAWN_DELAY_MS", "3000")]);
+    // Queued at once, the growth starts at the next checkpoint.
     let mut resize = ductile(&["resize", &w.id, "--nodes", "3", "--wait", "60"]);
     let mut resize = Running(resize.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
     let answer = lines_of(resize.0.stderr.take().unwrap());
@@ -257,7 +266,7 @@ fn a_failure_while_a_growth_starts_abandons_the_growth_and_recovers() {
     let recovered = w.recovered("[2]", 3);
     assert!(recovered.contains("of 4 failed (rank 2 on node 1 was killed by signal 9)"), "{recovered}");
     wait_with_timeout(&mut resize.0, Duration::from_secs(30));
-    let answer: Vec<String> = answer.try_iter().collect();
+    let answer = drain(&answer);
     assert!(answer.iter().any(|l| l.contains("failed before the switch")), "{answer:?}");
     assert_no_survivors(&report);
     let report = read_report(&report);

@@ -118,10 +118,10 @@ fn transition_context(epoch: u64) -> Context {
     Context(TRANSITION_CTX | (epoch & EPOCH_CTX_MASK) as u32)
 }
 
-/// Whether `c` is the context of a change (its transition group or its background
-/// moves): a failure notice does not interrupt those (see `control`).
-fn in_change(c: Context) -> bool {
-    c.0 & 0x8000_0000 == 0 && c.0 & TRANSITION_CTX != 0
+/// The contexts of the change to `epoch` (its transition group and its background
+/// moves): a failure notice of that epoch does not interrupt them (see `control`).
+fn change_contexts(epoch: u64) -> [Context; 2] {
+    [transition_context(epoch), background_context(epoch)]
 }
 
 /// The context of a change's background moves: a transition context with the epoch's

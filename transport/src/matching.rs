@@ -226,7 +226,7 @@ impl State {
 }
 
 /// Which contexts an interruption spares (see [`Mailbox::interrupt`]).
-type Spared = fn(Context) -> bool;
+type Spared = Box<dyn Fn(Context) -> bool + Send + Sync>;
 
 /// The outcome of posting a receive.
 #[derive(Debug)]
@@ -448,11 +448,10 @@ impl Mailbox {
     /// failed while it waits on them, or on a live peer that waits on them (as ULFM's
     /// revoke). Arriving messages are still queued, and a message from a live peer
     /// already landing in place completes: nothing a live peer sends is lost.
-    pub fn interrupt(&self, why: &str, failed: &[Rank], spared: fn(Context) -> bool) {
+    pub fn interrupt(&self, why: &str, failed: &[Rank], spared: impl Fn(Context) -> bool + Send + Sync + 'static) {
         let wake = {
             let mut guard = self.lock();
             let st = &mut *guard;
-            st.interrupted = Some((why.to_string(), spared));
             for r in failed {
                 st.fail_claims(Some(*r), || TransportError::Interrupted(why.to_string()));
             }
@@ -466,6 +465,7 @@ impl Mailbox {
                 }
             }
             st.posted = waiting;
+            st.interrupted = Some((why.to_string(), Box::new(spared)));
             wake
         };
         wake.into_iter().for_each(Waker::wake);

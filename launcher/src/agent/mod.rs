@@ -136,6 +136,12 @@ where
 /// # Errors
 /// A broken control channel or a handoff it cannot follow.
 pub async fn run(stdio: bool) -> anyhow::Result<()> {
+    // Started from the running image (`spawn::own_exe`), the kernel names the process
+    // `exe`: named as the launcher again, for `ps -C ductile`, `pgrep` and `top`. This
+    // runs on the main thread (`block_on`), whose name is the process's.
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string (of at most 16 bytes) that
+    // outlives the call.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"ductile".as_ptr()) };
     outlive_user_signals()?;
     let (mut prx, mut ptx) = parent_channel(stdio)?;
     if stdio {

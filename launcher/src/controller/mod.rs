@@ -618,7 +618,8 @@ impl Ctl {
                 phase = Some(tokio::time::Instant::from_std(f.deadline));
             }
             if let Some(r) = &self.recovering {
-                phase = Some(tokio::time::Instant::from_std(r.deadline));
+                let d = tokio::time::Instant::from_std(r.deadline);
+                phase = Some(phase.map_or(d, |p| p.min(d)));
             }
             if let Some(p) = phase.into_iter().chain(self.failed.as_ref().map(|f| f.0)).min() {
                 limit = Some(limit.map_or(p, |l| l.min(p)));

@@ -159,11 +159,6 @@ impl Ctl {
                     return;
                 }
                 let d = Deferred { agent: a, id, count, mode, want: want_procs };
-                if self.early_ready.iter().any(|e| e.1 == self.state.epoch) {
-                    // A process saw a peer fail that the controller has not heard of yet:
-                    // no change starts now, which would keep the job from recovering.
-                    return self.answer(&d, Decision::Continue).await;
-                }
                 if self.flight.is_some() {
                     self.deferred = Some(d);
                 } else {
@@ -204,6 +199,11 @@ impl Ctl {
 
     /// Decides what checkpoint `d` brings, and starts it.
     async fn decide(&mut self, d: Deferred) {
+        if self.early_ready.iter().any(|e| e.1 == self.state.epoch) {
+            // A process saw a peer fail that the controller has not heard of yet: no
+            // change starts now, which would keep the job from recovering.
+            return self.answer(&d, Decision::Continue).await;
+        }
         let t_checkpoint = Instant::now();
         let (target, trigger, reply) = if let Some(q) = self.queued.take() {
             (Some(q.target), "resize", Some(q.reply))
@@ -532,8 +532,14 @@ impl Ctl {
         if f.failure.is_none() {
             let (n, nodes) = (self.state.ranks.len(), self.state.node_count());
             let (ps, ns) = (if n == 1 { "" } else { "es" }, if nodes == 1 { "" } else { "s" });
+            // During a recovery, the size the job goes on at is the recovery's to say.
+            let size = if self.recovering.is_some() {
+                String::new()
+            } else {
+                format!(" ({n} process{ps} on {nodes} node{ns})")
+            };
             crate::say_errln!(
-                "ductile: resize {} failed before the switch: {why}; the job goes on without it ({n} process{ps} on {nodes} node{ns})",
+                "ductile: resize {} failed before the switch: {why}; the job goes on without it{size}",
                 f.seq
             );
             f.failure = Some(why);

@@ -224,7 +224,19 @@ impl Ctl {
             // recovery follows when it is done.
             return;
         }
-        let Some(r) = self.recovering.take_if(|r| r.waiting.is_empty()) else { return };
+        let Some(mut r) = self.recovering.take_if(|r| r.waiting.is_empty()) else { return };
+        // Processes of the group that ended or finalized meanwhile take no part either.
+        let survivors = self.survivors(&r.failed, &[]);
+        if survivors.is_empty() {
+            crate::say_errln!("ductile: the job cannot recover: no process is left to go on");
+            return self.give_up(r.first);
+        }
+        let gone: Vec<Rank> = self.state.ranks.iter().copied().filter(|x| !survivors.contains(x)).collect();
+        for g in gone {
+            if !r.failed.contains(&g) {
+                r.failed.push(g);
+            }
+        }
         let (mut change, next) = self.state.after_failure(&r.failed, &r.lost_nodes);
         change.checkpoint = r.count;
         let root = change.after.ranks[0];
@@ -252,9 +264,11 @@ impl Ctl {
         ))
     }
 
-    /// Ends the job if survivors did not get ready in time.
+    /// Ends the job if survivors did not get ready in time (a change that holds the
+    /// recovery back has deadlines of its own).
     pub(super) fn recovery_deadline(&mut self) {
-        let Some(r) = self.recovering.as_ref().filter(|r| Instant::now() >= r.deadline) else { return };
+        let due = |r: &&Recovering| Instant::now() >= r.deadline && !r.waiting.is_empty();
+        let Some(r) = self.recovering.as_ref().filter(due) else { return };
         let mut late: Vec<String> = r.waiting.iter().map(|id| self.who(*id)).collect();
         late.sort();
         self.ending = Some(Ending::Reconfig(format!(

@@ -5,8 +5,8 @@
 //! a process blocked on a failed peer, or on a live one that is itself blocked on it,
 //! gets `TransportError::Interrupted` instead of waiting out its timeout, and
 //! recovers at its next checkpoint ([`super::Session::checkpoint`]). The receives of
-//! a change are spared (see `super::in_change`): a process still finishing the switch
-//! to the epoch the failure happened in completes it, and recovers from there. Every other
+//! the change to the failure's epoch are spared (see `super::change_contexts`): a
+//! process still finishing that switch completes it, and recovers from there. Every other
 //! message (the controller's decisions) is passed on, in order, to the checkpoint that
 //! waits for it; so is the notice, which wakes a rank 0 waiting for a decision.
 
@@ -52,7 +52,9 @@ impl Watcher {
                             why
                         };
                         let why = format!("{why}; the job recovers at the next checkpoint");
-                        mailbox.interrupt(&why, &f.failed, super::in_change);
+                        // The change to the failure's epoch may still be completing here.
+                        let change = super::change_contexts(f.epoch);
+                        mailbox.interrupt(&why, &f.failed, move |c| change.contains(&c));
                         if tx.send(Ok(ToRank::Failure(f))).is_err() {
                             return;
                         }
@@ -143,7 +145,7 @@ mod tests {
         let mailbox = Arc::new(Mailbox::new());
         let w = Watcher::start(&theirs, mailbox.clone()).unwrap();
         let spared = mailbox.post(ductile_transport::Pattern {
-            ctx: super::super::transition_context(1),
+            ctx: super::super::transition_context(0),
             src: ductile_transport::SrcMatch::Any,
             tag: ductile_transport::TagMatch::Any,
         });
