@@ -120,6 +120,19 @@ fn a_failed_process_is_a_shrink_and_the_survivors_data_is_intact_over_every_tran
 }
 
 #[test]
+fn large_blocks_recover_intact_where_their_pages_are_recycled() {
+    // 160 MiB over 4: blocks of 40 MiB live in mappings of their own over tcp, whose
+    // pages the move recycles (see `runtime/src/anon.rs`); rank 1 fails.
+    let elements = (160u64 << 20) / 8;
+    let (out, _, report) =
+        recover(&["-n", "4", "--nodes", "4"], &["1", "2", "4", "0", &elements.to_string()], "recover-large");
+    let lost = format!("lost [{}..{}]", elements / 4, elements / 2);
+    assert!(out.contains(&format!("ranks [1] of 4 failed (rank 1 on node 1 exited with code 3), {lost}")), "{out}");
+    assert!(out.contains("recover: done with 3 processes, the data whole"), "{out}");
+    assert_eq!(failure_shrink(&report)["failed"], serde_json::json!([1]));
+}
+
+#[test]
 fn the_failure_of_rank_0_hands_the_job_to_the_next_survivor() {
     let (out, _, report) = recover(&["-n", "3", "--nodes", "3"], &["0", "2", "6", "10"], "recover-root");
     assert!(out.contains("ranks [0] of 3 failed"), "{out}");

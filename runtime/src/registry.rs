@@ -323,22 +323,26 @@ impl Registry {
             if variable_only && matches!(self.entries[i].kind, Kind::Distributed { constant: true, .. }) {
                 continue;
             }
-            // The old block is handed to the transport as it is, without a copy; the files
-            // behind its pages, if any, go to the move as well, and the block itself if
-            // its pages may be recycled.
-            let runs = self.blocks[i].runs();
-            let block = std::mem::take(&mut self.blocks[i]);
-            let old = if block.pages().is_some() {
-                let shared = Arc::new(block);
-                Old { bytes: Bytes::from_owner(Shared(shared.clone())), runs, pages: Some(shared) }
-            } else {
-                Old { bytes: Bytes::from_owner(block), runs, pages: None }
-            };
+            let old = self.take_old(i);
             let by = own.unwrap_or(method);
             self.blocks[i] = plan.run(t, i, global, elem, by, old).await?;
             self.moved_by[i] = Some(by);
         }
         Ok(())
+    }
+
+    /// Item `i`'s block, taken for a move: handed to the transport as it is, without a
+    /// copy; the files behind its pages, if any, go to the move as well, and the block
+    /// itself if its pages may be recycled.
+    fn take_old(&mut self, i: usize) -> Old {
+        let runs = self.blocks[i].runs();
+        let block = std::mem::take(&mut self.blocks[i]);
+        if block.pages().is_some() {
+            let shared = Arc::new(block);
+            Old { bytes: Bytes::from_owner(Shared(shared.clone())), runs, pages: Some(shared) }
+        } else {
+            Old { bytes: Bytes::from_owner(block), runs, pages: None }
+        }
     }
 
     /// Moves every distributed item after a failure, by point-to-point: `t` is a group
@@ -358,8 +362,7 @@ impl Registry {
         let mut gone = Vec::new();
         for i in 0..self.entries.len() {
             let Some((global, elem, _)) = self.distributed(i) else { continue };
-            let block = std::mem::take(&mut self.blocks[i]);
-            let old = Old { bytes: Bytes::from_owner(block), runs: Vec::new(), pages: None };
+            let old = self.take_old(i);
             self.blocks[i] = plan.run(t, i, global, elem, Method::P2p, old).await?;
             self.moved_by[i] = Some(Method::P2p);
             for &o in lost {

@@ -52,8 +52,9 @@ impl Move<'_> {
         let mut own_part = None;
         for (src, range) in self.receives(&plan) {
             if self.lost.contains(&(src as u32)) {
-                // Held by a process that failed: nothing to receive.
-                lend(range)?.as_mut_slice().fill(0);
+                // Held by a process that failed: nothing to receive, and the new block
+                // (`Aligned::placed`) is zero there already, its pages untouched.
+                continue;
             } else if src == me {
                 let from = own.pop().ok_or_else(|| plan_error("own overlap"))?;
                 own_part = Some((lend(range.clone())?, range, from));
