@@ -286,3 +286,23 @@ fn a_failure_while_a_growth_starts_abandons_the_growth_and_recovers() {
     failure_shrink(&report);
     assert_eq!(report["failed_growths"].as_array().map(Vec::len), Some(1), "{report:#}");
 }
+
+#[test]
+fn a_process_crashing_as_it_leaves_in_a_shrink_is_released() {
+    // Under --on-failure shrink, a process that ends badly after it handed its data over
+    // in a shrink was leaving anyway: the job goes on (by default it fails the job; see
+    // tests/malleability.rs).
+    let report = tmp("recover-leave-crash");
+    let fault = ex("fault");
+    let argv = ["run", "-n", "4", "--nodes", "2", "--policy", "steps:1", "--on-failure", "shrink", "--timeout", "60"];
+    let mut argv = argv.to_vec();
+    argv.extend(["--report", report.to_str().unwrap(), "--", &fault, "leave-crash", "9"]);
+    let out = run(&argv);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("exited with code 9; it was leaving anyway (--on-failure shrink)"), "{stderr}");
+    assert_no_survivors(&report);
+    let report = read_report(&report);
+    assert_eq!(report["final_size"], 2, "{report:#}");
+    assert_eq!(report["reconfigurations"][0]["trigger"], "policy", "{report:#}");
+}

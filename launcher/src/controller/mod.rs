@@ -687,14 +687,19 @@ impl Ctl {
         match ev {
             Event::Msg(a, m) => self.on_agent(a, m).await,
             Event::Lost(a, why) => {
+                // With `--on-failure shrink`, a node world whose processes all leave in
+                // the shrink under way is released, however it ends (see `leaving_ends`).
+                let leaving = self.spec.on_failure == OnFailure::Shrink
+                    && self.agents[a].live.iter().all(|r| self.is_releasing(*r));
                 let ag = &mut self.agents[a];
                 if ag.done {
                     return;
                 }
-                if ag.abandoned || ag.live.is_empty() && !ag.started.is_empty() {
+                if ag.abandoned || leaving && !ag.started.is_empty() {
                     // Its ranks are gone and so is it: a released node world.
                     ag.done = true;
                     ag.tx = None;
+                    ag.live.clear();
                     self.after_exit().await;
                     return;
                 }
@@ -778,7 +783,9 @@ impl Ctl {
                 if (exit != Exit::Code(0) || awaited) && !abandoned && !self.ended_by_us(rank) && self.ending.is_none()
                 {
                     let (who, node) = (self.who(rank), self.agents[a].node);
-                    if released {
+                    if released && self.spec.on_failure == OnFailure::Shrink {
+                        self.leaving_ends(&who, exit);
+                    } else if released {
                         self.ending = Some(Ending::Rank(format!("{who}, while leaving in a shrink,"), node, exit));
                     } else {
                         let why = format!("{who} on {node} {exit}");

@@ -66,6 +66,13 @@ impl Ctl {
         }
     }
 
+    /// A process leaving in the shrink under way ended badly (`--on-failure shrink`): it
+    /// was leaving anyway. Its data was handed over before it could leave, or the
+    /// survivors' switch fails, which ends the job (their failed checkpoints say why).
+    pub(super) fn leaving_ends(&self, who: &str, exit: crate::proto::Exit) {
+        crate::say_errln!("ductile: {who}, leaving in a shrink, {exit}; it was leaving anyway (--on-failure shrink)");
+    }
+
     /// Why the job cannot recover from the failure of `ids`, if it cannot.
     fn cannot_recover(&self, ids: &[Rank]) -> Option<String> {
         if self.spec.on_failure != OnFailure::Shrink || self.ending.is_some() || self.failed.is_some() {
