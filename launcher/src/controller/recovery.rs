@@ -75,8 +75,11 @@ impl Ctl {
 
     /// Why the job cannot recover from the failure of `ids`, if it cannot.
     fn cannot_recover(&self, ids: &[Rank]) -> Option<String> {
-        if self.spec.on_failure != OnFailure::Shrink || self.ending.is_some() || self.failed.is_some() {
-            return Some("--on-failure abort, or the job is ending".into());
+        if self.spec.on_failure != OnFailure::Shrink {
+            return Some("--on-failure abort".into());
+        }
+        if self.ending.is_some() || self.failed.is_some() {
+            return Some("the job is ending already".into());
         }
         if !self.fenced {
             return Some("the job had not started yet".into());
