@@ -694,18 +694,10 @@ impl Session {
             AsyncGroup::new(self.endpoint.clone(), transition_context(epoch), members.clone(), tpos, self.timeout)?
                 .placed(placement([&self.membership, &c.after]));
         let transition = Group::new(tg, self.handle()?, self.spin);
-        let mut manifest = if tpos == 0 { self.registry.manifest() } else { Manifest::default() };
-        transition.broadcast_value(0, &mut manifest)?;
-        let adopted = self.registry.adopt(manifest, joined);
-        // Every member learns whether any registry differs from rank 0's, so each fails
-        // naming the cause instead of waiting on a process that already gave up.
-        let flag = if adopted.is_err() { tpos as u64 + 1 } else { 0 };
-        let differs = transition.allreduce(&[flag], ReduceOp::Max)?[0];
-        adopted?;
-        if differs > 0 {
+        if let Some(k) = self.agree_on_registry(&transition, joined)? {
             return Err(Error::Reconfigure(format!(
                 "the registered items of {} differ from rank 0's; the change to epoch {epoch} is abandoned",
-                members[differs as usize - 1]
+                members.get(k).map_or_else(|| format!("member {k}"), ToString::to_string)
             )));
         }
         if joined {
@@ -716,6 +708,20 @@ impl Session {
             members.iter().map(|r| c.after.ranks.iter().position(|x| x == r).map(|p| p as u32)).collect();
         let parts = Parts { old_n: c.before.len() as u32, new_n: c.after.ranks.len() as u32 };
         Ok(Prepared { transition, tpos, members, new_pos, parts, connect })
+    }
+
+    /// Every member of `g` takes the registry of `g`'s first member (`joined`: this
+    /// process is new, its own registry empty). Returns the member whose registry
+    /// differs, if one does: every member learns it, so that each fails naming the
+    /// cause instead of waiting on a process that already gave up.
+    fn agree_on_registry(&mut self, g: &Group, joined: bool) -> Result<Option<usize>> {
+        let mut manifest = if g.rank() == 0 { self.registry.manifest() } else { Manifest::default() };
+        g.broadcast_value(0, &mut manifest)?;
+        let adopted = self.registry.adopt(manifest, joined);
+        let flag = if adopted.is_err() { g.rank() as u64 + 1 } else { 0 };
+        let differs = g.allreduce(&[flag], ReduceOp::Max)?[0];
+        adopted?;
+        Ok(usize::try_from(differs).ok().and_then(|d| d.checked_sub(1)))
     }
 
     /// The second half: the (remaining) items move, the new world is built.

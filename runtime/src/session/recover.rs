@@ -20,7 +20,7 @@ use crate::bootstrap::{self, Change, Decision, FromRank, SwitchTimes, ToRank};
 use crate::error::{Error, Result};
 use crate::group::{AsyncGroup, Group};
 use crate::reduce::ReduceOp;
-use crate::registry::{Manifest, Parts};
+use crate::registry::Parts;
 use ductile_transport::Rank;
 use std::ops::Range;
 use std::time::Instant;
@@ -108,16 +108,10 @@ impl Session {
         // The survivors agree on the registry; the data moves over the old positions.
         let alive = group(transition_context(epoch), survivors.clone(), new_rank)?;
         let transition = group(background_context(epoch), c.before.clone(), old_rank)?;
-        let mut manifest = if new_rank == 0 { self.registry.manifest() } else { Manifest::default() };
-        alive.broadcast_value(0, &mut manifest)?;
-        let adopted = self.registry.adopt(manifest, false);
-        let flag = if adopted.is_err() { new_rank as u64 + 1 } else { 0 };
-        let differs = alive.allreduce(&[flag], ReduceOp::Max)?[0];
-        adopted?;
-        if differs > 0 {
+        if let Some(k) = self.agree_on_registry(&alive, false)? {
             return Err(Error::Reconfigure(format!(
                 "the registered items of {} differ from the first survivor's; the recovery is abandoned",
-                survivors[differs as usize - 1]
+                survivors.get(k).map_or_else(|| format!("survivor {k}"), ToString::to_string)
             )));
         }
         // Survivors may have failed in different checkpoints: the controller's count goes on.
