@@ -117,11 +117,11 @@ pub(crate) fn recv_here(
     let posted = match into {
         // SAFETY: the wait is dropped below, on every path, before `into`'s borrow ends.
         Some(dest) => unsafe { ep.mailbox().post_here_into(pattern, &waker, dest) },
-        None => ep.mailbox().post_here(pattern, &waker),
+        None => ep.mailbox().post_here(pattern, &waker).map(|p| p.map(|env| (env, false))),
     };
     let out = match posted {
         Err(e) => Some(Err(e)),
-        Ok(Ok(env)) => Some(Ok((env, false))),
+        Ok(Ok(answer)) => Some(Ok(answer)),
         Ok(Err(mut here)) => ep.blocking_call(|| {
             let mut cx = Context::from_waker(&waker);
             let mut deadline = Deadline::new(timeout);

@@ -20,8 +20,10 @@ use tokio::sync::oneshot;
 
 mod here;
 mod landed;
+mod pieces;
 pub use here::WaitHere;
 pub use landed::{Claim, Landed, PostingInto};
+use pieces::Message;
 
 /// A received message.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,33 +116,33 @@ enum Reply {
 }
 
 /// Answers of receives, kept until their receivers collect them, by receive id.
-type Answers = Vec<(u64, Result<Envelope, TransportError>)>;
+type Answers = Vec<(u64, Result<Message, TransportError>)>;
 
 impl Reply {
-    /// Hands `env` to the receive `id` of `mailbox`: handed over to this thread if it
+    /// Hands `msg` to the receive `id` of `mailbox`: handed over to this thread if it
     /// waits for it (see [`here`]), else kept for it in `kept` (its waker is returned, to
     /// wake once the lock is released), or copied into its part. Gives the message back
     /// if the receiver is gone (only a receive into a part can be: a kept answer waits
     /// for its receiver, which withdraws it if it gives up).
-    fn offer(self, mailbox: &Mailbox, id: u64, env: Envelope, kept: &mut Answers) -> Result<Option<Waker>, Envelope> {
+    fn offer(self, mailbox: &Mailbox, id: u64, msg: Message, kept: &mut Answers) -> Result<Option<Waker>, Message> {
         match self {
             Reply::Kept(waker) => {
-                kept.push((id, Ok(env)));
+                kept.push((id, Ok(msg)));
                 Ok(waker)
             }
-            Reply::Here(waker) => match here::hand_over(mailbox, id, env) {
+            Reply::Here(waker) => match here::hand_over(mailbox, id, msg) {
                 Ok(()) => Ok(None),
-                Err(env) => {
-                    kept.push((id, Ok(env)));
+                Err(msg) => {
+                    kept.push((id, Ok(msg)));
                     Ok(Some(waker))
                 }
             },
             Reply::Into(part, tx) => {
                 if tx.is_closed() {
-                    return Err(env);
+                    return Err(msg);
                 }
-                match landed::land(&env, part) {
-                    Ok(l) => tx.send(Ok(l)).map(|()| None).map_err(|_| env),
+                match landed::land(&msg, part) {
+                    Ok(l) => tx.send(Ok(l)).map(|()| None).map_err(|_| msg),
                     Err(e) => {
                         // The message is the receive's, with an error: it was not
                         // the size asked for.
@@ -179,7 +181,7 @@ struct Posted {
 
 #[derive(Default)]
 struct State {
-    unexpected: VecDeque<Envelope>,
+    unexpected: VecDeque<Message>,
     posted: VecDeque<Posted>,
     /// Answers to receives of [`Mailbox::post`], until their receivers collect them.
     kept: Answers,
@@ -196,13 +198,13 @@ struct State {
 impl State {
     /// The oldest queued message `pattern` matches; `None` if the receive must be
     /// posted; an error if it could never be satisfied.
-    fn take_queued(&mut self, pattern: &Pattern) -> Result<Option<Envelope>, TransportError> {
+    fn take_queued(&mut self, pattern: &Pattern) -> Result<Option<Message>, TransportError> {
         if let Some((why, spared)) = &self.interrupted {
             if !spared(pattern.ctx) {
                 return Err(TransportError::Interrupted(why.clone()));
             }
         }
-        if let Some(pos) = self.unexpected.iter().position(|e| pattern.matches(e.src, e.ctx, e.tag)) {
+        if let Some(pos) = self.unexpected.iter().position(|m| m.matched_by(pattern)) {
             return Ok(self.unexpected.remove(pos));
         }
         if self.closed {
@@ -260,7 +262,11 @@ impl Mailbox {
 
     /// Delivers an arriving message.
     pub fn deliver(&self, env: Envelope) {
-        self.deliver_from(self.lock(), 0, env);
+        self.deliver_message(Message::whole(env));
+    }
+
+    fn deliver_message(&self, msg: Message) {
+        self.deliver_from(self.lock(), 0, msg);
     }
 
     /// Delivers an arriving message whose payload the caller only lends: a receive this
@@ -278,21 +284,21 @@ impl Mailbox {
                 return;
             }
         }
-        let env = Envelope { src, ctx, tag, payload: Bytes::copy_from_slice(payload) };
+        let msg = Message::whole(Envelope { src, ctx, tag, payload: Bytes::copy_from_slice(payload) });
         match first {
-            Some(i) => self.deliver_from(st, i, env),
-            None => st.unexpected.push_back(env),
+            Some(i) => self.deliver_from(st, i, msg),
+            None => st.unexpected.push_back(msg),
         }
     }
 
-    /// Delivers `env` to the oldest matching posting at or after `i` (none before it
+    /// Delivers `msg` to the oldest matching posting at or after `i` (none before it
     /// matches), or queues it.
-    fn deliver_from(&self, mut st: std::sync::MutexGuard<'_, State>, mut i: usize, mut env: Envelope) {
+    fn deliver_from(&self, mut st: std::sync::MutexGuard<'_, State>, mut i: usize, mut msg: Message) {
         while i < st.posted.len() {
-            if st.posted[i].pattern.matches(env.src, env.ctx, env.tag) {
+            if msg.matched_by(&st.posted[i].pattern) {
                 // Index is in range: checked by the loop condition.
                 let p = st.posted.remove(i).expect("index in range");
-                match p.reply.offer(self, p.id, env, &mut st.kept) {
+                match p.reply.offer(self, p.id, msg, &mut st.kept) {
                     Ok(waker) => {
                         drop(st);
                         if let Some(w) = waker {
@@ -302,13 +308,13 @@ impl Mailbox {
                     }
                     // A receive into a part whose receiver gave up without cancelling:
                     // offer the message to the next matching posting (now at `i`).
-                    Err(back) => env = back,
+                    Err(back) => msg = back,
                 }
             } else {
                 i += 1;
             }
         }
-        st.unexpected.push_back(env);
+        st.unexpected.push_back(msg);
     }
 
     /// Takes the oldest matching queued message, or posts a receive.
@@ -318,8 +324,9 @@ impl Mailbox {
     /// matches; or the mailbox is closed.
     pub fn post(&self, pattern: Pattern) -> Result<Posting, TransportError> {
         let mut st = self.lock();
-        if let Some(env) = st.take_queued(&pattern)? {
-            return Ok(Posting::Ready(env));
+        if let Some(msg) = st.take_queued(&pattern)? {
+            drop(st);
+            return Ok(Posting::Ready(msg.join()));
         }
         Ok(Posting::Posted(st.push(pattern, Reply::Kept(None))))
     }
@@ -328,6 +335,11 @@ impl Mailbox {
     /// receive's error; until then the receiver is woken through `cx` when it comes.
     /// A receive that is neither waiting nor answered (withdrawn) is an error.
     pub fn poll_posted(&self, id: u64, cx: &mut TaskContext<'_>) -> Poll<Result<Envelope, TransportError>> {
+        self.poll_kept(id, cx).map(|r| r.map(Message::join))
+    }
+
+    /// As [`Mailbox::poll_posted`], the message as it was delivered.
+    fn poll_kept(&self, id: u64, cx: &mut TaskContext<'_>) -> Poll<Result<Message, TransportError>> {
         let mut st = self.lock();
         if let Some(i) = st.kept.iter().position(|(k, _)| *k == id) {
             return Poll::Ready(st.kept.swap_remove(i).1);
@@ -353,6 +365,11 @@ impl Mailbox {
     /// waiting, it is removed; answered but not collected, its message is returned (to
     /// give back with [`Mailbox::give_back`], so that it keeps its place).
     pub fn withdraw(&self, id: u64) -> Option<Envelope> {
+        self.withdraw_message(id).map(Message::join)
+    }
+
+    /// As [`Mailbox::withdraw`], the message as it was delivered.
+    fn withdraw_message(&self, id: u64) -> Option<Message> {
         let mut st = self.lock();
         if let Some(pos) = st.posted.iter().position(|p| p.id == id) {
             st.posted.remove(pos);
@@ -365,10 +382,15 @@ impl Mailbox {
     /// Puts back a message that a receiver took but abandoned before using it, so that it
     /// keeps its place ahead of later messages.
     pub fn give_back(&self, env: Envelope) {
+        self.give_back_message(Message::whole(env));
+    }
+
+    /// As [`Mailbox::give_back`], a message as it was delivered.
+    fn give_back_message(&self, msg: Message) {
         let mut st = self.lock();
-        if let Some(pos) = st.posted.iter().position(|p| p.pattern.matches(env.src, env.ctx, env.tag)) {
+        if let Some(pos) = st.posted.iter().position(|p| msg.matched_by(&p.pattern)) {
             let p = st.posted.remove(pos).expect("position found");
-            match p.reply.offer(self, p.id, env, &mut st.kept) {
+            match p.reply.offer(self, p.id, msg, &mut st.kept) {
                 Ok(waker) => {
                     drop(st);
                     if let Some(w) = waker {
@@ -377,12 +399,12 @@ impl Mailbox {
                 }
                 Err(back) => {
                     drop(st);
-                    self.give_back(back);
+                    self.give_back_message(back);
                 }
             }
             return;
         }
-        st.unexpected.push_front(env);
+        st.unexpected.push_front(msg);
     }
 
     /// Withdraws a posted receive into a part ([`Mailbox::post_into`]). Returns false
@@ -477,7 +499,7 @@ impl Mailbox {
     pub fn resume(&self, stale: &dyn Fn(Context) -> bool) {
         let mut st = self.lock();
         st.interrupted = None;
-        st.unexpected.retain(|e| !stale(e.ctx));
+        st.unexpected.retain(|m| !stale(m.env.ctx));
     }
 
     /// Number of queued unmatched messages (diagnostics).

@@ -17,7 +17,7 @@
 //! Matching is unchanged: the receive is an ordinary posting, matched in its turn under
 //! the lock. Only where its answer goes differs.
 
-use super::{Envelope, Mailbox};
+use super::{Envelope, Mailbox, Message};
 use crate::error::TransportError;
 use bytes::Bytes;
 use std::cell::{Cell, RefCell};
@@ -42,17 +42,17 @@ thread_local! {
     /// A message this thread delivered to the receive it waits for, with that receive,
     /// and whether its payload was copied into the receive's memory instead (the
     /// envelope's payload is then empty).
-    static ARRIVED: RefCell<Option<(Key, Envelope, bool)>> = const { RefCell::new(None) };
+    static ARRIVED: RefCell<Option<(Key, Message, bool)>> = const { RefCell::new(None) };
 }
 
-/// Takes `env` for receive `id` of `mailbox` (posted by [`Mailbox::post_here`]) if the
+/// Takes `msg` for receive `id` of `mailbox` (posted by [`Mailbox::post_here`]) if the
 /// calling thread is waiting for it; gives it back otherwise.
-pub(super) fn hand_over(mailbox: &Mailbox, id: u64, env: Envelope) -> Result<(), Envelope> {
+pub(super) fn hand_over(mailbox: &Mailbox, id: u64, msg: Message) -> Result<(), Message> {
     let key = (addr(mailbox), id);
     if WAITING.get().0 != key {
-        return Err(env);
+        return Err(msg);
     }
-    ARRIVED.set(Some((key, env, false)));
+    ARRIVED.set(Some((key, msg, false)));
     Ok(())
 }
 
@@ -77,8 +77,24 @@ pub(super) fn land(
     // the memory meanwhile, and no other thread sees this thread's `WAITING`.
     unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), ptr, len) };
     let (src, ctx, tag) = head;
-    ARRIVED.set(Some((key, Envelope { src, ctx, tag, payload: Bytes::new() }, true)));
+    ARRIVED.set(Some((key, Message::whole(Envelope { src, ctx, tag, payload: Bytes::new() }), true)));
     true
+}
+
+/// The envelope to answer a receive with, and whether its payload was copied into the
+/// receive's memory `dest`: a payload that came in pieces and is exactly as long is
+/// (the envelope's payload is then empty); any other is joined if it must be.
+///
+/// # Safety
+/// `dest`, unless null, is memory the receive lends and nothing else uses meanwhile.
+unsafe fn answer(msg: Message, dest: Dest) -> (Envelope, bool) {
+    let (ptr, len) = dest;
+    if !msg.in_pieces() || ptr.is_null() || msg.len() != len {
+        return (msg.join(), false);
+    }
+    // SAFETY: as the caller promised.
+    msg.copy_to(unsafe { std::slice::from_raw_parts_mut(ptr, len) });
+    (msg.landed(), true)
 }
 
 fn addr(mailbox: &Mailbox) -> usize {
@@ -87,9 +103,9 @@ fn addr(mailbox: &Mailbox) -> usize {
 
 /// The message handed over to receive `key`, if there is one, and whether it was
 /// copied into the receive's memory.
-fn take_arrived(key: Key) -> Option<(Envelope, bool)> {
+fn take_arrived(key: Key) -> Option<(Message, bool)> {
     ARRIVED.with_borrow_mut(|a| match a.take() {
-        Some((k, env, landed)) if k == key => Some((env, landed)),
+        Some((k, msg, landed)) if k == key => Some((msg, landed)),
         // Only a wait leaked with `mem::forget` leaves another receive's message (its
         // receive is never collected); it is dropped.
         _ => None,
@@ -129,12 +145,14 @@ impl Mailbox {
         pattern: super::Pattern,
         waker: &Waker,
     ) -> Result<Result<Envelope, WaitHere<'_>>, TransportError> {
-        self.post_waiting(pattern, waker, NO_DEST)
+        Ok(self.post_waiting(pattern, waker, NO_DEST)?.map(|(env, _)| env))
     }
 
     /// As [`Mailbox::post_here`], lending `dest`: a payload of exactly its length that
-    /// this thread delivers with [`Mailbox::deliver_slice`] is copied into it (see
-    /// [`WaitHere::landed`]); any other answer comes as an envelope.
+    /// this thread delivers with [`Mailbox::deliver_slice`], or that came in pieces
+    /// ([`Mailbox::deliver_pieces`]), is copied into it (see [`WaitHere::landed`]; a
+    /// queued message answers at once with whether it was); any other answer comes as an
+    /// envelope.
     ///
     /// # Safety
     /// The returned wait must be dropped, not leaked (`mem::forget`): until then this
@@ -147,7 +165,7 @@ impl Mailbox {
         pattern: super::Pattern,
         waker: &Waker,
         dest: &'a mut [u8],
-    ) -> Result<Result<Envelope, WaitHere<'a>>, TransportError> {
+    ) -> Result<Result<(Envelope, bool), WaitHere<'a>>, TransportError> {
         self.post_waiting(pattern, waker, (dest.as_mut_ptr(), dest.len()))
     }
 
@@ -156,11 +174,14 @@ impl Mailbox {
         pattern: super::Pattern,
         waker: &Waker,
         dest: Dest,
-    ) -> Result<Result<Envelope, WaitHere<'_>>, TransportError> {
+    ) -> Result<Result<(Envelope, bool), WaitHere<'_>>, TransportError> {
         let id = {
             let mut st = self.lock();
-            if let Some(env) = st.take_queued(&pattern)? {
-                return Ok(Ok(env));
+            if let Some(msg) = st.take_queued(&pattern)? {
+                drop(st);
+                // SAFETY: `dest` is the memory `post_here_into`'s caller lent, borrowed
+                // until it has the answer.
+                return Ok(Ok(unsafe { answer(msg, dest) }));
             }
             st.push(pattern, super::Reply::Here(waker.clone()))
         };
@@ -193,18 +214,26 @@ impl WaitHere<'_> {
         if self.done {
             return Poll::Ready(Err(TransportError::Closed));
         }
-        let r = match take_arrived(self.key()) {
-            Some((env, landed)) => {
-                self.landed = landed;
-                Ok(env)
-            }
-            None => match self.mailbox.poll_posted(self.id, cx) {
-                Poll::Ready(r) => r,
+        let (msg, landed) = match take_arrived(self.key()) {
+            Some(arrived) => arrived,
+            None => match self.mailbox.poll_kept(self.id, cx) {
+                Poll::Ready(Ok(msg)) => (msg, false),
+                Poll::Ready(Err(e)) => {
+                    self.done = true;
+                    return Poll::Ready(Err(e));
+                }
                 Poll::Pending => return Poll::Pending,
             },
         };
         self.done = true;
-        Poll::Ready(r)
+        let (env, landed) = if landed {
+            (msg.join(), true)
+        } else {
+            // SAFETY: the memory this wait lent (if any), still borrowed by it.
+            unsafe { answer(msg, self.dest) }
+        };
+        self.landed = landed;
+        Poll::Ready(Ok(env))
     }
 }
 
@@ -214,20 +243,20 @@ impl Drop for WaitHere<'_> {
         if self.done {
             return;
         }
-        let env = match take_arrived(self.key()) {
-            Some((mut env, landed)) => {
+        let msg = match take_arrived(self.key()) {
+            Some((mut msg, landed)) => {
                 if landed {
                     // SAFETY: the memory this wait lent, still borrowed by it; the copy
                     // above filled all of it.
-                    env.payload =
+                    msg.env.payload =
                         Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(self.dest.0, self.dest.1) });
                 }
-                Some(env)
+                Some(msg)
             }
-            None => self.mailbox.withdraw(self.id),
+            None => self.mailbox.withdraw_message(self.id),
         };
-        if let Some(env) = env {
-            self.mailbox.give_back(env);
+        if let Some(msg) = msg {
+            self.mailbox.give_back_message(msg);
         }
     }
 }

@@ -11,7 +11,7 @@
 //! order is thus unchanged; the message is matched when its header arrives instead of
 //! when its last byte does.
 
-use super::{Envelope, Mailbox, Pattern, Reply, SrcMatch, State};
+use super::{Envelope, Mailbox, Message, Pattern, Reply, SrcMatch, State};
 use crate::error::TransportError;
 use crate::ids::{Context, Rank, Tag};
 use crate::landing::Part;
@@ -41,16 +41,13 @@ impl Landed {
     }
 }
 
-/// Copies `env`'s payload into `part`; an error if the sizes differ.
-pub(super) fn land(env: &Envelope, mut part: Part) -> Result<Landed, TransportError> {
-    if env.payload.len() != part.len() {
-        return Err(TransportError::SizeMismatch {
-            peer: env.src,
-            expected: part.len() as u64,
-            got: env.payload.len() as u64,
-        });
+/// Copies `msg`'s payload into `part`; an error if the sizes differ.
+pub(super) fn land(msg: &Message, mut part: Part) -> Result<Landed, TransportError> {
+    let env = &msg.env;
+    if msg.len() != part.len() {
+        return Err(TransportError::SizeMismatch { peer: env.src, expected: part.len() as u64, got: msg.len() as u64 });
     }
-    part.as_mut_slice().copy_from_slice(&env.payload);
+    msg.copy_to(part.as_mut_slice());
     Ok(Landed { src: env.src, ctx: env.ctx, tag: env.tag, part })
 }
 
@@ -144,9 +141,9 @@ impl Mailbox {
     /// As [`Mailbox::post`].
     pub fn post_into(&self, pattern: Pattern, part: Part) -> Result<PostingInto, TransportError> {
         let mut st = self.lock();
-        if let Some(env) = st.take_queued(&pattern)? {
+        if let Some(msg) = st.take_queued(&pattern)? {
             drop(st);
-            return Ok(PostingInto::Ready(land(&env, part)));
+            return Ok(PostingInto::Ready(land(&msg, part)));
         }
         let (tx, rx) = oneshot::channel();
         Ok(PostingInto::Posted(st.push(pattern, Reply::Into(part, tx)), rx))

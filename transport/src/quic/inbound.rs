@@ -114,15 +114,17 @@ async fn read_messages(inner: &Inner, peer: Rank, mut recv: RecvStream) -> Resul
         let h = wire::read_header(&mut recv, limits).await?;
         match h.kind {
             // A large payload goes straight into the receiver's memory if a receive waits
-            // for it there; a payload in one chunk is delivered without a copy.
+            // for it there. Otherwise it is delivered in the pieces quinn read it in,
+            // which the receiver joins on its own thread: this task is on the progress
+            // thread that all of the process's traffic goes through.
             FrameKind::Data if h.len > LARGE => match inner.mailbox.claim(peer, h.ctx, h.tag, h.len) {
                 Some(mut claim) => {
                     wire::read_payload_into(&mut recv, peer, claim.bytes_mut()).await?;
                     inner.mailbox.complete_claim(claim);
                 }
                 None => {
-                    let payload = wire::read_payload(&mut recv, peer, h.len).await?;
-                    inner.mailbox.deliver(Envelope { src: peer, ctx: h.ctx, tag: h.tag, payload });
+                    let (payload, rest) = wire::read_pieces(&mut recv, peer, h.len).await?;
+                    inner.mailbox.deliver_pieces(Envelope { src: peer, ctx: h.ctx, tag: h.tag, payload }, rest);
                 }
             },
             FrameKind::Data => {

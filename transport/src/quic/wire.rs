@@ -93,20 +93,39 @@ pub(super) async fn read_payload_into(
 /// Reads a payload of `len` bytes whose header was validated. A payload that arrives in
 /// one piece is returned as quinn's own buffer, without a copy.
 pub(super) async fn read_payload(recv: &mut RecvStream, peer: Rank, len: u64) -> Result<Bytes, TransportError> {
+    let (first, rest) = read_pieces(recv, peer, len).await?;
+    if rest.is_empty() {
+        return Ok(first);
+    }
+    let mut whole = BytesMut::with_capacity(first.len() + rest.iter().map(Bytes::len).sum::<usize>());
+    whole.extend_from_slice(&first);
+    rest.iter().for_each(|piece| whole.extend_from_slice(piece));
+    Ok(whole.freeze())
+}
+
+/// Reads a payload of `len` bytes whose header was validated, as quinn's own buffers
+/// (no copy): the first piece and the others in order.
+pub(super) async fn read_pieces(
+    recv: &mut RecvStream,
+    peer: Rank,
+    len: u64,
+) -> Result<(Bytes, Vec<Bytes>), TransportError> {
     let len = usize::try_from(len).map_err(|_| TransportError::Frame {
         peer,
         source: FrameError::Malformed("payload larger than the address space"),
     })?;
-    let mut whole: Option<BytesMut> = None;
+    let mut first = Bytes::new();
+    let mut rest = Vec::new();
     let mut got = 0;
     while got < len {
         let chunk = recv.read_chunk(len - got, true).await.map_err(|e| read_error(peer, e))?;
         let bytes = chunk.ok_or_else(|| ended_early(peer))?.bytes;
-        if got == 0 && bytes.len() == len {
-            return Ok(bytes);
-        }
         got += bytes.len();
-        whole.get_or_insert_with(|| BytesMut::with_capacity(len)).extend_from_slice(&bytes);
+        if first.is_empty() {
+            first = bytes;
+        } else {
+            rest.push(bytes);
+        }
     }
-    Ok(whole.map_or_else(Bytes::new, BytesMut::freeze))
+    Ok((first, rest))
 }
