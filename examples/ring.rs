@@ -24,13 +24,20 @@ fn main() -> anyhow::Result<()> {
     // The token is received in place (`recv_into`); a message of another size would be
     // an error.
     let mut token = vec![0u64; words];
+    let receive = |token: &mut [u64]| -> anyhow::Result<()> {
+        let status = world.recv_into(Some(prev), Some(TAG), token)?;
+        if (status.source, status.len) != (prev, 8 * words) {
+            bail!("received {} bytes from rank {}, expected {} from {prev}", status.len, status.source, 8 * words);
+        }
+        Ok(())
+    };
     for _ in 0..laps {
         if r == 0 {
             token.iter_mut().for_each(|w| *w += 1);
             world.send(next, TAG, &token)?;
-            world.recv_into(Some(prev), Some(TAG), &mut token)?;
+            receive(&mut token)?;
         } else {
-            world.recv_into(Some(prev), Some(TAG), &mut token)?;
+            receive(&mut token)?;
             token.iter_mut().for_each(|w| *w += 1);
             world.send(next, TAG, &token)?;
         }

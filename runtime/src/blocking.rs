@@ -103,8 +103,9 @@ fn take_flag() -> Waking {
 ///
 /// With `into`, the receive lends that memory
 /// ([`Mailbox::post_here_into`](ductile_transport::Mailbox::post_here_into)): a payload
-/// of its length delivered on this thread may be copied straight into it, and the
-/// answer then says so (`true`, with an empty payload in the envelope).
+/// of its length delivered on this thread, or delivered in pieces, may be copied
+/// straight into it, and the answer then says so (`true`, with an empty payload in the
+/// envelope).
 /// Returns `None` if `timeout` passes first (the receive is withdrawn, losing nothing).
 pub(crate) fn recv_here(
     ep: &Endpoint,

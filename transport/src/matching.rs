@@ -363,20 +363,34 @@ impl Mailbox {
 
     /// Withdraws receive `id` (of [`Mailbox::post`]) whose receiver gave up: still
     /// waiting, it is removed; answered but not collected, its message is returned (to
-    /// give back with [`Mailbox::give_back`], so that it keeps its place).
+    /// give back with [`Mailbox::give_back`], so that it keeps its place). See also
+    /// [`Mailbox::abandon`].
     pub fn withdraw(&self, id: u64) -> Option<Envelope> {
-        self.withdraw_message(id).map(Message::join)
-    }
-
-    /// As [`Mailbox::withdraw`], the message as it was delivered.
-    fn withdraw_message(&self, id: u64) -> Option<Message> {
         let mut st = self.lock();
         if let Some(pos) = st.posted.iter().position(|p| p.id == id) {
             st.posted.remove(pos);
             return None;
         }
         let i = st.kept.iter().position(|(k, _)| *k == id)?;
-        st.kept.swap_remove(i).1.ok()
+        let msg = st.kept.swap_remove(i).1.ok();
+        drop(st);
+        msg.map(Message::join)
+    }
+
+    /// Withdraws receive `id` (of [`Mailbox::post`]) whose receiver gave up, as
+    /// [`Mailbox::withdraw`] does, and gives its message back if it had one: all under
+    /// one lock, so that no other receive takes a later message while this one is out,
+    /// and without joining a message that came in pieces.
+    pub fn abandon(&self, id: u64) {
+        let mut st = self.lock();
+        if let Some(pos) = st.posted.iter().position(|p| p.id == id) {
+            st.posted.remove(pos);
+            return;
+        }
+        let Some(i) = st.kept.iter().position(|(k, _)| *k == id) else { return };
+        if let Ok(msg) = st.kept.swap_remove(i).1 {
+            self.put_back(st, msg);
+        }
     }
 
     /// Puts back a message that a receiver took but abandoned before using it, so that it
@@ -387,8 +401,13 @@ impl Mailbox {
 
     /// As [`Mailbox::give_back`], a message as it was delivered.
     fn give_back_message(&self, msg: Message) {
-        let mut st = self.lock();
-        if let Some(pos) = st.posted.iter().position(|p| msg.matched_by(&p.pattern)) {
+        self.put_back(self.lock(), msg);
+    }
+
+    /// Offers `msg`, taken from the queue earlier, to the oldest matching posted
+    /// receive, or queues it again ahead of later messages.
+    fn put_back(&self, mut st: std::sync::MutexGuard<'_, State>, mut msg: Message) {
+        while let Some(pos) = st.posted.iter().position(|p| msg.matched_by(&p.pattern)) {
             let p = st.posted.remove(pos).expect("position found");
             match p.reply.offer(self, p.id, msg, &mut st.kept) {
                 Ok(waker) => {
@@ -396,13 +415,11 @@ impl Mailbox {
                     if let Some(w) = waker {
                         w.wake();
                     }
+                    return;
                 }
-                Err(back) => {
-                    drop(st);
-                    self.give_back_message(back);
-                }
+                // A receive into a part whose receiver gave up: the next one.
+                Err(back) => msg = back,
             }
-            return;
         }
         st.unexpected.push_front(msg);
     }

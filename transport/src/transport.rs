@@ -548,11 +548,7 @@ impl<T: Received> Future for PendingRecv<'_, T> {
 impl<T: Received> Drop for PendingRecv<'_, T> {
     fn drop(&mut self) {
         match std::mem::replace(&mut self.state, PendingState::Done) {
-            PendingState::Kept(id) => {
-                if let Some(env) = self.mailbox.withdraw(id) {
-                    self.mailbox.give_back(env);
-                }
-            }
+            PendingState::Kept(id) => self.mailbox.abandon(id),
             PendingState::Waiting { id, mut rx } => {
                 if !self.mailbox.cancel(id) {
                     if let Ok(Ok(v)) = rx.try_recv() {

@@ -11,8 +11,10 @@
 //!
 //! A receive into the caller's own memory ([`Mailbox::post_here_into`]) goes one step
 //! further: a backend that delivers a payload it only lends
-//! ([`Mailbox::deliver_slice`]) has it copied straight into that memory when its
-//! length is the memory's, with no buffer made for it.
+//! ([`Mailbox::deliver_slice`]) on the receiver's thread has it copied straight into
+//! that memory when its length is the memory's, with no buffer made for it; and a
+//! payload delivered in pieces ([`Mailbox::deliver_pieces`]), on any thread, is copied
+//! there by the receiver, without joining the pieces first.
 //!
 //! Matching is unchanged: the receive is an ordinary posting, matched in its turn under
 //! the lock. Only where its answer goes differs.
@@ -243,7 +245,7 @@ impl Drop for WaitHere<'_> {
         if self.done {
             return;
         }
-        let msg = match take_arrived(self.key()) {
+        match take_arrived(self.key()) {
             Some((mut msg, landed)) => {
                 if landed {
                     // SAFETY: the memory this wait lent, still borrowed by it; the copy
@@ -251,12 +253,9 @@ impl Drop for WaitHere<'_> {
                     msg.env.payload =
                         Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(self.dest.0, self.dest.1) });
                 }
-                Some(msg)
+                self.mailbox.give_back_message(msg);
             }
-            None => self.mailbox.withdraw_message(self.id),
-        };
-        if let Some(msg) = msg {
-            self.mailbox.give_back_message(msg);
+            None => self.mailbox.abandon(self.id),
         }
     }
 }

@@ -3,10 +3,13 @@
 //! A backend whose progress thread reads every message of the process (quic: quinn
 //! hands a stream over in datagram-sized chunks) would join a large payload's pieces
 //! into one buffer there, a copy on the one thread all traffic goes through. It
-//! delivers the pieces as they are instead ([`Mailbox::deliver_pieces`]), and the
-//! receiver joins them, or copies them straight into its own memory, on its own thread
-//! and outside the mailbox's lock. Matching is unchanged: a message in pieces is
-//! matched as a whole one.
+//! delivers the pieces as they are instead ([`Mailbox::deliver_pieces`]). A receive of
+//! bytes joins them, and a receive into memory the receiver lent
+//! ([`Mailbox::post_here_into`]) copies them straight there, on the receiver's thread
+//! and outside the mailbox's lock. A receive into a part ([`Mailbox::post_into`])
+//! that the message finds waiting has them copied into the part where it is matched,
+//! as a whole payload would be: under the lock, by the delivering thread. Matching is
+//! unchanged: a message in pieces is matched as a whole one.
 
 use super::{Envelope, Mailbox, Pattern};
 use bytes::Bytes;
@@ -171,6 +174,24 @@ mod tests {
         };
         deliver(&m, 2);
         assert_eq!(rx.try_recv().unwrap().unwrap().part.as_slice(), b"abcdefgh");
+    }
+
+    #[test]
+    fn an_abandoned_receive_gives_its_pieces_back_in_place() {
+        let m = Mailbox::new();
+        let Posting::Posted(id) = m.post(pat(Some(1), Some(1))).unwrap() else { panic!("matched") };
+        deliver(&m, 1);
+        m.deliver(env(1, 1, b"later"));
+        m.abandon(id);
+        let Posting::Ready(e) = m.post(pat(Some(1), Some(1))).unwrap() else { panic!("lost") };
+        assert_eq!(e.payload, &b"abcdefgh"[..]);
+        let Posting::Ready(e) = m.post(pat(Some(1), Some(1))).unwrap() else { panic!("lost") };
+        assert_eq!(e.payload, &b"later"[..]);
+        // A receive abandoned before its message came leaves nothing behind.
+        let Posting::Posted(id) = m.post(pat(Some(1), Some(1))).unwrap() else { panic!("matched") };
+        m.abandon(id);
+        deliver(&m, 1);
+        assert_eq!(m.queued(), 1);
     }
 
     #[test]

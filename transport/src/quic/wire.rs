@@ -122,6 +122,10 @@ pub(super) async fn read_pieces(
         let bytes = chunk.ok_or_else(|| ended_early(peer))?.bytes;
         got += bytes.len();
         if first.is_empty() {
+            if !bytes.is_empty() {
+                // The other pieces are likely about as long as the first.
+                rest.reserve((len - got).div_ceil(bytes.len()));
+            }
             first = bytes;
         } else {
             rest.push(bytes);
