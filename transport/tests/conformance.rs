@@ -191,6 +191,15 @@ async fn a_timeout_names_the_peer_and_loses_nothing(b: Backend) {
     drop(pending);
     assert_eq!(eps[1].recv(from(0, 5), T).await.unwrap().payload, &b"first"[..]);
     assert_eq!(eps[1].recv(from(0, 5), T).await.unwrap().payload, &b"second"[..]);
+    // The same with a large message (in pieces over quic).
+    let n = 1 << 20;
+    let pending = eps[1].post(from(0, 6)).unwrap();
+    eps[0].send(Rank(1), Context(0), Tag(6), body(n, 1)).await.unwrap();
+    eps[0].send(Rank(1), Context(0), Tag(6), Bytes::from_static(b"after")).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(pending);
+    check(&eps[1].recv(from(0, 6), T).await.unwrap().payload, n, 1);
+    assert_eq!(eps[1].recv(from(0, 6), T).await.unwrap().payload, &b"after"[..]);
     close_all(&eps).await;
 }
 
@@ -341,6 +350,14 @@ async fn receives_land_in_place(b: Backend) {
     eps[0].send(Rank(1), Context(0), Tag(6), body(100, 3)).await.unwrap();
     let got = eps[1].recv_into(from(0, 6), part(2 * n..2 * n + 100), T).await.unwrap();
     check(got.part.as_slice(), 100, 3);
+    drop(got);
+    // So is a large one (quic delivers it in the pieces it read); the small message
+    // after it, which it cannot overtake, shows it has arrived.
+    eps[0].send(Rank(1), Context(0), Tag(8), body(n, 6)).await.unwrap();
+    eps[0].send(Rank(1), Context(0), Tag(9), body(10, 7)).await.unwrap();
+    check(&eps[1].recv(from(0, 9), T).await.unwrap().payload, 10, 7);
+    let got = eps[1].recv_into(from(0, 8), part(2 * n..3 * n), T).await.unwrap();
+    check(got.part.as_slice(), n, 6);
     drop(got);
     // A message of another size fails its receive and is consumed; the next one lands.
     let wrong = eps[1].post_into(from(0, 7), part(2 * n..3 * n)).unwrap();
