@@ -193,6 +193,8 @@ struct State {
     /// Why receives fail at once while set, and the contexts spared (see
     /// [`Mailbox::interrupt`]).
     interrupted: Option<(String, Spared)>,
+    /// Ranks fenced off for good (see [`Mailbox::fence`]).
+    fenced: Vec<Rank>,
 }
 
 impl State {
@@ -211,11 +213,19 @@ impl State {
             return Err(TransportError::Closed);
         }
         if let SrcMatch::Rank(r) = pattern.src {
+            if self.fenced.contains(&r) {
+                return Err(PeerEnd::Lost.error(r));
+            }
             if let Some(end) = self.ended.get(&r) {
                 return Err(end.error(r));
             }
         }
         Ok(None)
+    }
+
+    /// Whether messages from `src` are dropped on arrival (see [`Mailbox::fence`]).
+    fn is_fenced(&self, src: Rank) -> bool {
+        !self.fenced.is_empty() && self.fenced.contains(&src)
     }
 
     /// Posts a receive; returns its id.
@@ -266,7 +276,11 @@ impl Mailbox {
     }
 
     fn deliver_message(&self, msg: Message) {
-        self.deliver_from(self.lock(), 0, msg);
+        let st = self.lock();
+        if st.is_fenced(msg.env.src) {
+            return;
+        }
+        self.deliver_from(st, 0, msg);
     }
 
     /// Delivers an arriving message whose payload the caller only lends: a receive this
@@ -275,6 +289,9 @@ impl Mailbox {
     /// delivered as [`Mailbox::deliver`] does.
     pub fn deliver_slice(&self, src: Rank, ctx: Context, tag: Tag, payload: &[u8]) {
         let mut st = self.lock();
+        if st.is_fenced(src) {
+            return;
+        }
         let first = st.posted.iter().position(|p| p.pattern.matches(src, ctx, tag));
         if let Some(i) = first {
             if matches!(st.posted[i].reply, Reply::Here(_))
@@ -458,6 +475,26 @@ impl Mailbox {
         };
         // Woken once the lock is released, as in `deliver`.
         wake.into_iter().for_each(Waker::wake);
+    }
+
+    /// Fences `ranks` off for good: processes the job has given up as failed, which may
+    /// still run for a while elsewhere (on a host cut off from the launcher) and send.
+    /// Their queued messages are dropped, receives that name them fail (now and from
+    /// now on, even if they connect again), and what they send later is dropped on
+    /// arrival, so that a fenced process can neither fill this mailbox nor be matched.
+    pub fn fence(&self, ranks: &[Rank]) {
+        {
+            let mut st = self.lock();
+            for r in ranks {
+                if !st.fenced.contains(r) {
+                    st.fenced.push(*r);
+                }
+            }
+            st.unexpected.retain(|m| !ranks.contains(&m.env.src));
+        }
+        for r in ranks {
+            self.peer_ended(*r, PeerEnd::Lost);
+        }
     }
 
     /// Records that a peer is (again) connected, after a reconnection.
@@ -673,6 +710,27 @@ mod tests {
         let rx = posted(m.post(pat(Some(3), None)).unwrap());
         m.close();
         assert!(matches!(answer(&m, rx).unwrap(), Err(TransportError::Closed)));
+    }
+
+    #[test]
+    fn fenced_ranks_are_dropped_now_and_later_and_their_receives_fail() {
+        let m = Mailbox::new();
+        m.deliver(env(1, 1, b"from 1"));
+        m.deliver(env(2, 1, b"from 2"));
+        let Posting::Posted(waiting) = m.post(pat(Some(1), Some(7))).unwrap() else { panic!("matched") };
+        m.fence(&[Rank(1)]);
+        assert_eq!(m.queued(), 1, "the fenced rank's message is dropped, the other kept");
+        assert!(matches!(answer(&m, waiting), Some(Err(TransportError::PeerLost(Rank(1))))));
+        // Later messages from it are dropped on arrival, however they come.
+        m.deliver(env(1, 1, b"late"));
+        m.deliver_slice(Rank(1), Context(0), Tag(1), b"late");
+        m.deliver_pieces(env(1, 1, b"la"), vec![Bytes::from_static(b"te")]);
+        assert_eq!(m.queued(), 1);
+        // A receive naming it fails at once, even after it connects again.
+        m.peer_connected(Rank(1));
+        assert!(matches!(m.post(pat(Some(1), Some(1))), Err(TransportError::PeerLost(Rank(1)))));
+        // The others are untouched.
+        assert_eq!(ready(m.post(pat(None, Some(1))).unwrap()).payload, &b"from 2"[..]);
     }
 
     #[test]

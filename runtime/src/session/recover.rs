@@ -100,6 +100,9 @@ impl Session {
             )));
         };
         self.endpoint.transport().set_peers(&c.after.addrs)?;
+        // A failed process may still run for a while (on a host cut off from the
+        // launcher): nothing it sends is taken from now on.
+        self.endpoint.mailbox().fence(&c.failed);
         let (place, handle) = (placement([&self.membership, &c.after]), self.handle()?);
         let group = |ctx, members: Vec<Rank>, pos| -> Result<Group> {
             let g = AsyncGroup::new(self.endpoint.clone(), ctx, members, pos, self.timeout)?.placed(place.clone());

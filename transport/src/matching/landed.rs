@@ -154,6 +154,9 @@ impl Mailbox {
     /// a part (see the module docs); `None`, and the message is delivered as usual.
     pub fn claim(&self, src: Rank, ctx: Context, tag: Tag, len: u64) -> Option<Claim> {
         let mut st = self.lock();
+        if st.is_fenced(src) {
+            return None;
+        }
         let i = st.posted.iter().position(|p| p.pattern.matches(src, ctx, tag))?;
         let p = &st.posted[i];
         let fits = |part: &Part, tx: &oneshot::Sender<_>| part.len() as u64 == len && !tx.is_closed();
