@@ -58,6 +58,10 @@ struct Args {
     /// change (a failure drill for `ductile run --on-failure shrink`).
     #[arg(long, value_name = "RANK:ITER", value_parser = parse_fail_at)]
     fail_at: Option<(usize, u64)>,
+    /// The process that is rank RANK exits with code 3 at its first iteration while a
+    /// change's constant data moves in the background (with `--background`).
+    #[arg(long, value_name = "RANK")]
+    fail_while_moving: Option<usize>,
     /// After each change, rank 0 prints `HOLD <epoch>` and waits for the file
     /// `<DIR>/go-<epoch>` (for tests that inspect the job in between).
     #[arg(long, value_name = "DIR")]
@@ -255,6 +259,10 @@ fn main() -> anyhow::Result<()> {
         let start = s.block_range("u")?.start;
         if args.fail_at == Some((world.rank(), it + 1)) && s.epoch() == 0 {
             eprintln!("jacobi: rank {} fails at iteration {} (--fail-at)", world.rank(), it + 1);
+            std::process::exit(3);
+        }
+        if args.fail_while_moving == Some(world.rank()) && s.background_move().is_some() {
+            eprintln!("jacobi: rank {} fails while data moves in the background", world.rank());
             std::process::exit(3);
         }
         let new = match sweep(&world, s.block::<f64>("u")?, s.block::<f64>("k")?, start, n) {

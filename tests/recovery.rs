@@ -254,6 +254,33 @@ fn a_failure_before_the_job_has_started_ends_it() {
 }
 
 #[test]
+fn a_failure_while_data_moves_in_the_background_ends_the_job_with_its_code() {
+    // Recovering from a failure while a change's data moves in the background is not
+    // built yet: the job ends at once, as the failure would have ended it without
+    // --on-failure shrink, saying why, and leaves nothing behind. Rank 1 fails in the
+    // first iteration that the move is under way, which is paced to take a while (2 %
+    // of the time).
+    let report = tmp("recover-background");
+    let jacobi = ex("jacobi");
+    let opts = "-n 2 --nodes 2 --max-nodes 4 --policy steps:4 --period 1 --background --on-failure shrink";
+    let args = "--background --table-mib 64 --every 5 --iters 1000 --fail-while-moving 1";
+    let mut argv = vec!["run"];
+    argv.extend(opts.split_whitespace());
+    argv.extend(["--timeout", "120", "--report", report.to_str().unwrap(), "--", &jacobi]);
+    argv.extend(args.split_whitespace());
+    let started = Instant::now();
+    let out = ductile(&argv).env("DUCTILE_BACKGROUND_SHARE", "0.02").output().expect("start ductile");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(3), "{stdout}\n{stderr}");
+    assert!(stderr.contains("jacobi: rank 1 fails while data moves in the background"), "{stderr}");
+    let why = "rank 1 on node 1 exited with code 3; the job cannot recover: another change was under way, its \
+               data moving in the background";
+    assert!(stderr.contains(why), "{stderr}");
+    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
+    assert_no_survivors(&report);
+}
+
+#[test]
 fn a_failure_while_a_growth_starts_abandons_the_growth_and_recovers() {
     let report = tmp("recover-growing");
     // Growths take 3 s to start their node worlds.

@@ -113,6 +113,12 @@ impl InFlight {
         matches!(self.phase, Phase::Switching)
     }
 
+    /// Whether the change was asked for at a background checkpoint (its constant items
+    /// move while the application computes on).
+    pub(super) fn in_background(&self) -> bool {
+        self.mode == CheckpointMode::Background
+    }
+
     /// Whether the change is a growth still starting its processes, which the old ones
     /// have not heard of.
     pub(super) fn spawning(&self) -> bool {

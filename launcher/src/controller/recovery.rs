@@ -84,8 +84,12 @@ impl Ctl {
         if !self.fenced {
             return Some("the job had not started yet".into());
         }
-        if self.flight.as_ref().is_some_and(super::reconfig::InFlight::switching) {
-            return Some("another change was switching".into());
+        if let Some(f) = self.flight.as_ref().filter(|f| f.switching()) {
+            return Some(if f.in_background() {
+                "another change was under way, its data moving in the background".into()
+            } else {
+                "another change was switching".into()
+            });
         }
         if !ids.iter().any(|r| self.state.ranks.contains(r)) {
             return Some("the processes were not in the job's group".into());
