@@ -257,9 +257,9 @@ fn a_failure_before_the_job_has_started_ends_it() {
 fn a_failure_while_data_moves_in_the_background_ends_the_job_with_its_code() {
     // Recovering from a failure while a change's data moves in the background is not
     // built yet: the job ends at once, as the failure would have ended it without
-    // --on-failure shrink, saying why, and leaves nothing behind. Rank 1 fails in the
-    // first iteration that the move is under way, which is paced to take a while (2 %
-    // of the time).
+    // --on-failure shrink, saying why, and leaves nothing behind. Rank 1 fails in its
+    // first iteration after the change started (the move, paced to 2 % of the time,
+    // is still under way then).
     let report = tmp("recover-background");
     let jacobi = ex("jacobi");
     let opts = "-n 2 --nodes 2 --max-nodes 4 --policy steps:4 --period 1 --background --on-failure shrink";
@@ -273,9 +273,11 @@ fn a_failure_while_data_moves_in_the_background_ends_the_job_with_its_code() {
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert_eq!(out.status.code(), Some(3), "{stdout}\n{stderr}");
     assert!(stderr.contains("jacobi: rank 1 fails while data moves in the background"), "{stderr}");
-    let why = "rank 1 on node 1 exited with code 3; the job cannot recover: another change was under way, its \
-               data moving in the background";
-    assert!(stderr.contains(why), "{stderr}");
+    // Now and then a joining process, which sees rank 1 go first, fails the change
+    // before the launcher hears of rank 1's exit: the job is ending already then.
+    let why = "rank 1 on node 1 exited with code 3; the job cannot recover: ";
+    let because = ["another change was under way in the background", "the job is ending already"];
+    assert!(because.iter().any(|b| stderr.contains(&format!("{why}{b}"))), "{stderr}");
     assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
     assert_no_survivors(&report);
 }

@@ -223,6 +223,25 @@ impl State {
         Ok(None)
     }
 
+    /// Records that peer `r` ended: its claims in progress and the receives that name
+    /// it fail; returns the wakers to wake once the lock is released.
+    fn end_peer(&mut self, r: Rank, how: PeerEnd) -> Vec<Waker> {
+        self.ended.insert(r, how);
+        self.fail_claims(Some(r), || how.error(r));
+        let mut waiting = VecDeque::with_capacity(self.posted.len());
+        let mut wake = Vec::new();
+        for p in self.posted.drain(..) {
+            if p.pattern.src == SrcMatch::Rank(r) {
+                // The receiver may be gone already; nothing to do then.
+                wake.extend(p.reply.fail(p.id, how.error(r), &mut self.kept));
+            } else {
+                waiting.push_back(p);
+            }
+        }
+        self.posted = waiting;
+        wake
+    }
+
     /// Whether messages from `src` are dropped on arrival (see [`Mailbox::fence`]).
     fn is_fenced(&self, src: Rank) -> bool {
         !self.fenced.is_empty() && self.fenced.contains(&src)
@@ -411,7 +430,10 @@ impl Mailbox {
     }
 
     /// Puts back a message that a receiver took but abandoned before using it, so that it
-    /// keeps its place ahead of later messages.
+    /// keeps its place ahead of later messages. It goes to the front of the queue: two
+    /// messages given back come out in the reverse order, and one given back comes out
+    /// ahead of an older queued message of the same source on another tag for a receive
+    /// that matches both.
     pub fn give_back(&self, env: Envelope) {
         self.give_back_message(Message::whole(env));
     }
@@ -422,8 +444,12 @@ impl Mailbox {
     }
 
     /// Offers `msg`, taken from the queue earlier, to the oldest matching posted
-    /// receive, or queues it again ahead of later messages.
+    /// receive, or queues it again at the front (dropped if its sender has been fenced
+    /// off meanwhile).
     fn put_back(&self, mut st: std::sync::MutexGuard<'_, State>, mut msg: Message) {
+        if st.is_fenced(msg.env.src) {
+            return;
+        }
         while let Some(pos) = st.posted.iter().position(|p| msg.matched_by(&p.pattern)) {
             let p = st.posted.remove(pos).expect("position found");
             match p.reply.offer(self, p.id, msg, &mut st.kept) {
@@ -455,24 +481,7 @@ impl Mailbox {
 
     /// Records that a peer will send nothing more; fails the receives waiting on it alone.
     pub fn peer_ended(&self, r: Rank, how: PeerEnd) {
-        let wake = {
-            let mut guard = self.lock();
-            let st = &mut *guard;
-            st.ended.insert(r, how);
-            st.fail_claims(Some(r), || how.error(r));
-            let mut waiting = VecDeque::with_capacity(st.posted.len());
-            let mut wake = Vec::new();
-            for p in st.posted.drain(..) {
-                if p.pattern.src == SrcMatch::Rank(r) {
-                    // The receiver may be gone already; nothing to do then.
-                    wake.extend(p.reply.fail(p.id, how.error(r), &mut st.kept));
-                } else {
-                    waiting.push_back(p);
-                }
-            }
-            st.posted = waiting;
-            wake
-        };
+        let wake = self.lock().end_peer(r, how);
         // Woken once the lock is released, as in `deliver`.
         wake.into_iter().for_each(Waker::wake);
     }
@@ -483,18 +492,18 @@ impl Mailbox {
     /// now on, even if they connect again), and what they send later is dropped on
     /// arrival, so that a fenced process can neither fill this mailbox nor be matched.
     pub fn fence(&self, ranks: &[Rank]) {
+        let mut wake = Vec::new();
         {
             let mut st = self.lock();
             for r in ranks {
                 if !st.fenced.contains(r) {
                     st.fenced.push(*r);
                 }
+                wake.extend(st.end_peer(*r, PeerEnd::Lost));
             }
             st.unexpected.retain(|m| !ranks.contains(&m.env.src));
         }
-        for r in ranks {
-            self.peer_ended(*r, PeerEnd::Lost);
-        }
+        wake.into_iter().for_each(Waker::wake);
     }
 
     /// Records that a peer is (again) connected, after a reconnection.
@@ -718,7 +727,11 @@ mod tests {
         m.deliver(env(1, 1, b"from 1"));
         m.deliver(env(2, 1, b"from 2"));
         let Posting::Posted(waiting) = m.post(pat(Some(1), Some(7))).unwrap() else { panic!("matched") };
+        // Answered before the fence, abandoned after it: not put back.
+        let Posting::Posted(answered) = m.post(pat(Some(1), Some(8))).unwrap() else { panic!("matched") };
+        m.deliver(env(1, 8, b"answered"));
         m.fence(&[Rank(1)]);
+        m.abandon(answered);
         assert_eq!(m.queued(), 1, "the fenced rank's message is dropped, the other kept");
         assert!(matches!(answer(&m, waiting), Some(Err(TransportError::PeerLost(Rank(1))))));
         // Later messages from it are dropped on arrival, however they come.

@@ -86,7 +86,7 @@ impl Ctl {
         }
         if let Some(f) = self.flight.as_ref().filter(|f| f.switching()) {
             return Some(if f.in_background() {
-                "another change was under way, its data moving in the background".into()
+                "another change was under way in the background".into()
             } else {
                 "another change was switching".into()
             });

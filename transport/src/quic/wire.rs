@@ -103,6 +103,11 @@ pub(super) async fn read_payload(recv: &mut RecvStream, peer: Rank, len: u64) ->
     Ok(whole.freeze())
 }
 
+/// The shortest piece [`read_pieces`] expects after the first (about a datagram), and
+/// the most pieces it reserves room for at once.
+const MIN_PIECE: usize = 1200;
+const MAX_RESERVED: usize = 4096;
+
 /// Reads a payload of `len` bytes whose header was validated, as quinn's own buffers
 /// (no copy): the first piece and the others in order.
 pub(super) async fn read_pieces(
@@ -122,10 +127,9 @@ pub(super) async fn read_pieces(
         let bytes = chunk.ok_or_else(|| ended_early(peer))?.bytes;
         got += bytes.len();
         if first.is_empty() {
-            if !bytes.is_empty() {
-                // The other pieces are likely about as long as the first.
-                rest.reserve((len - got).div_ceil(bytes.len()));
-            }
+            // The other pieces are likely about as long as the first, which may be short
+            // (what was left of a datagram after the header): a bounded guess.
+            rest.reserve((len - got).div_ceil(bytes.len().max(MIN_PIECE)).min(MAX_RESERVED));
             first = bytes;
         } else {
             rest.push(bytes);
