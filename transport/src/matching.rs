@@ -195,6 +195,8 @@ struct State {
     interrupted: Option<(String, Spared)>,
     /// Ranks fenced off for good (see [`Mailbox::fence`]).
     fenced: Vec<Rank>,
+    /// Messages arrived so far (see [`Message::seq`]).
+    arrivals: u64,
 }
 
 impl State {
@@ -240,6 +242,12 @@ impl State {
         }
         self.posted = waiting;
         wake
+    }
+
+    /// The number of the message arriving now.
+    fn arrival(&mut self) -> u64 {
+        self.arrivals += 1;
+        self.arrivals
     }
 
     /// Whether messages from `src` are dropped on arrival (see [`Mailbox::fence`]).
@@ -294,11 +302,12 @@ impl Mailbox {
         self.deliver_message(Message::whole(env));
     }
 
-    fn deliver_message(&self, msg: Message) {
-        let st = self.lock();
+    fn deliver_message(&self, mut msg: Message) {
+        let mut st = self.lock();
         if st.is_fenced(msg.env.src) {
             return;
         }
+        msg.seq = st.arrival();
         self.deliver_from(st, 0, msg);
     }
 
@@ -311,16 +320,18 @@ impl Mailbox {
         if st.is_fenced(src) {
             return;
         }
+        let seq = st.arrival();
         let first = st.posted.iter().position(|p| p.pattern.matches(src, ctx, tag));
         if let Some(i) = first {
             if matches!(st.posted[i].reply, Reply::Here(_))
-                && here::land(self, st.posted[i].id, (src, ctx, tag), payload)
+                && here::land(self, st.posted[i].id, (src, ctx, tag, seq), payload)
             {
                 st.posted.remove(i);
                 return;
             }
         }
-        let msg = Message::whole(Envelope { src, ctx, tag, payload: Bytes::copy_from_slice(payload) });
+        let mut msg = Message::whole(Envelope { src, ctx, tag, payload: Bytes::copy_from_slice(payload) });
+        msg.seq = seq;
         match first {
             Some(i) => self.deliver_from(st, i, msg),
             None => st.unexpected.push_back(msg),
@@ -430,10 +441,12 @@ impl Mailbox {
     }
 
     /// Puts back a message that a receiver took but abandoned before using it, so that it
-    /// keeps its place ahead of later messages. It goes to the front of the queue: two
-    /// messages given back come out in the reverse order, and one given back comes out
-    /// ahead of an older queued message of the same source on another tag for a receive
-    /// that matches both.
+    /// keeps its place ahead of later messages. An envelope no longer carries its place
+    /// in the order of arrival, so it goes to the front of the queue: two given back
+    /// come out in the reverse order, and one comes out ahead of an older queued
+    /// message of the same source on another tag for a receive that matches both.
+    /// Receives abandoned inside the mailbox ([`Mailbox::abandon`], a dropped
+    /// [`WaitHere`]) give their messages back in their places.
     pub fn give_back(&self, env: Envelope) {
         self.give_back_message(Message::whole(env));
     }
@@ -444,8 +457,8 @@ impl Mailbox {
     }
 
     /// Offers `msg`, taken from the queue earlier, to the oldest matching posted
-    /// receive, or queues it again at the front (dropped if its sender has been fenced
-    /// off meanwhile).
+    /// receive, or queues it again in its place in the order of arrival (at the front
+    /// if its number was lost; dropped if its sender has been fenced off meanwhile).
     fn put_back(&self, mut st: std::sync::MutexGuard<'_, State>, mut msg: Message) {
         if st.is_fenced(msg.env.src) {
             return;
@@ -464,7 +477,8 @@ impl Mailbox {
                 Err(back) => msg = back,
             }
         }
-        st.unexpected.push_front(msg);
+        let at = st.unexpected.partition_point(|m| m.seq < msg.seq);
+        st.unexpected.insert(at, msg);
     }
 
     /// Withdraws a posted receive into a part ([`Mailbox::post_into`]). Returns false
@@ -719,6 +733,23 @@ mod tests {
         let rx = posted(m.post(pat(Some(3), None)).unwrap());
         m.close();
         assert!(matches!(answer(&m, rx).unwrap(), Err(TransportError::Closed)));
+    }
+
+    #[test]
+    fn abandoned_answers_go_back_in_the_order_they_arrived() {
+        let m = Mailbox::new();
+        let Posting::Posted(a) = m.post(pat(Some(1), Some(1))).unwrap() else { panic!("matched") };
+        let Posting::Posted(b) = m.post(pat(Some(1), Some(1))).unwrap() else { panic!("matched") };
+        m.deliver(env(1, 5, b"zero"));
+        m.deliver(env(1, 1, b"first"));
+        m.deliver(env(1, 1, b"second"));
+        // Abandoned oldest first, and behind an older message on another tag: a receive
+        // of any tag still takes the three in the order they came.
+        m.abandon(a);
+        m.abandon(b);
+        for want in ["zero", "first", "second"] {
+            assert_eq!(ready(m.post(pat(Some(1), None)).unwrap()).payload, want.as_bytes());
+        }
     }
 
     #[test]

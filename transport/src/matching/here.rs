@@ -64,7 +64,7 @@ pub(super) fn hand_over(mailbox: &Mailbox, id: u64, msg: Message) -> Result<(), 
 pub(super) fn land(
     mailbox: &Mailbox,
     id: u64,
-    head: (crate::ids::Rank, crate::ids::Context, crate::ids::Tag),
+    head: (crate::ids::Rank, crate::ids::Context, crate::ids::Tag, u64),
     payload: &[u8],
 ) -> bool {
     let key = (addr(mailbox), id);
@@ -78,8 +78,10 @@ pub(super) fn land(
     // memory's exclusive borrow for its whole life; nothing else on this thread uses
     // the memory meanwhile, and no other thread sees this thread's `WAITING`.
     unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), ptr, len) };
-    let (src, ctx, tag) = head;
-    ARRIVED.set(Some((key, Message::whole(Envelope { src, ctx, tag, payload: Bytes::new() }), true)));
+    let (src, ctx, tag, seq) = head;
+    let mut msg = Message::whole(Envelope { src, ctx, tag, payload: Bytes::new() });
+    msg.seq = seq;
+    ARRIVED.set(Some((key, msg, true)));
     true
 }
 

@@ -15,17 +15,21 @@ use super::{Envelope, Mailbox, Pattern};
 use bytes::Bytes;
 
 /// A message in the mailbox: its envelope, whose payload is the first of its pieces,
-/// and the pieces after it (none for a message delivered whole).
+/// the pieces after it (none for a message delivered whole), and its place in the
+/// order of arrival.
 #[derive(Debug)]
 pub(super) struct Message {
     pub(super) env: Envelope,
     rest: Vec<Bytes>,
+    /// Its number in the order of arrival (from 1; the mailbox numbers it as it
+    /// arrives), or 0 for a message given back from outside, whose number is lost.
+    pub(super) seq: u64,
 }
 
 impl Message {
-    /// A message delivered whole.
+    /// A message delivered whole, not numbered yet.
     pub(super) fn whole(env: Envelope) -> Self {
-        Self { env, rest: Vec::new() }
+        Self { env, rest: Vec::new(), seq: 0 }
     }
 
     /// Whether `pattern` matches the message.
@@ -78,7 +82,7 @@ impl Mailbox {
     /// first, `rest` the others, in order. The receiver joins them on its own thread,
     /// or copies them into memory it lent; see the module docs.
     pub fn deliver_pieces(&self, env: Envelope, rest: Vec<Bytes>) {
-        self.deliver_message(Message { env, rest });
+        self.deliver_message(Message { env, rest, seq: 0 });
     }
 }
 
