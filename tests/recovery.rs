@@ -278,6 +278,8 @@ fn a_failure_while_data_moves_in_the_background_ends_the_job_with_its_code() {
     let why = "rank 1 on node 1 exited with code 3; the job cannot recover: ";
     let because = ["another change was under way in the background", "the job is ending already"];
     assert!(because.iter().any(|b| stderr.contains(&format!("{why}{b}"))), "{stderr}");
+    // "At once": far sooner than the job's --timeout of 120 s (a guard against a hang,
+    // generous for a loaded machine).
     assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
     assert_no_survivors(&report);
 }

@@ -273,8 +273,8 @@ pub enum Posting {
     /// A queued message matched at once.
     Ready(Envelope),
     /// The receive is posted under this id: collect its message with
-    /// [`Mailbox::poll_posted`], or withdraw it with [`Mailbox::withdraw`] if the wait
-    /// is abandoned.
+    /// [`Mailbox::poll_posted`], or abandon it with [`Mailbox::abandon`] if the wait is
+    /// given up (which gives its message back in its place, if it had one).
     Posted(u64),
 }
 
@@ -378,6 +378,24 @@ impl Mailbox {
         Ok(Posting::Posted(st.push(pattern, Reply::Kept(None))))
     }
 
+    /// Posts a receive whose message, even one queued already, is collected with
+    /// [`Mailbox::poll_posted`]; returns its id. Unlike [`Mailbox::post`], a queued
+    /// message that matches stays in the mailbox (kept for this receive), so that
+    /// [`Mailbox::abandon`] gives it back in its place in the order of arrival.
+    ///
+    /// # Errors
+    /// As [`Mailbox::post`].
+    pub fn post_kept(&self, pattern: Pattern) -> Result<u64, TransportError> {
+        let mut st = self.lock();
+        if let Some(msg) = st.take_queued(&pattern)? {
+            let id = st.next_id;
+            st.next_id += 1;
+            st.kept.push((id, Ok(msg)));
+            return Ok(id);
+        }
+        Ok(st.push(pattern, Reply::Kept(None)))
+    }
+
     /// The message of receive `id` (of [`Mailbox::post`]) once it is there, or the
     /// receive's error; until then the receiver is woken through `cx` when it comes.
     /// A receive that is neither waiting nor answered (withdrawn) is an error.
@@ -442,11 +460,11 @@ impl Mailbox {
 
     /// Puts back a message that a receiver took but abandoned before using it, so that it
     /// keeps its place ahead of later messages. An envelope no longer carries its place
-    /// in the order of arrival, so it goes to the front of the queue: two given back
-    /// come out in the reverse order, and one comes out ahead of an older queued
-    /// message of the same source on another tag for a receive that matches both.
-    /// Receives abandoned inside the mailbox ([`Mailbox::abandon`], a dropped
-    /// [`WaitHere`]) give their messages back in their places.
+    /// in the order of arrival, so it goes to the front of the queue, ahead of every
+    /// message queued, even of one that arrived before it or that is given back in its
+    /// place later. Receives abandoned inside the mailbox ([`Mailbox::abandon`], a
+    /// dropped [`WaitHere`]) and messages that landed in parts
+    /// ([`Mailbox::give_back_landed`]) go back in their places.
     pub fn give_back(&self, env: Envelope) {
         self.give_back_message(Message::whole(env));
     }
@@ -505,6 +523,8 @@ impl Mailbox {
     /// Their queued messages are dropped, receives that name them fail (now and from
     /// now on, even if they connect again), and what they send later is dropped on
     /// arrival, so that a fenced process can neither fill this mailbox nor be matched.
+    /// A message that answered a receive before the fence stays that receive's (it
+    /// came before the failure was known); given back, it is dropped.
     pub fn fence(&self, ranks: &[Rank]) {
         let mut wake = Vec::new();
         {
@@ -750,6 +770,29 @@ mod tests {
         for want in ["zero", "first", "second"] {
             assert_eq!(ready(m.post(pat(Some(1), None)).unwrap()).payload, want.as_bytes());
         }
+    }
+
+    #[test]
+    fn a_kept_receive_that_matched_at_once_gives_its_message_back_in_its_place() {
+        // `a` waits and is answered by "first"; "second" is queued and `b`, posted
+        // later, takes it at once. Abandoned in the reverse order (as locals are
+        // dropped), both go back in the order they came.
+        let m = Mailbox::new();
+        let a = m.post_kept(pat(Some(1), Some(1))).unwrap();
+        m.deliver(env(1, 1, b"first"));
+        m.deliver(env(1, 1, b"second"));
+        let b = m.post_kept(pat(Some(1), Some(1))).unwrap();
+        m.deliver(env(1, 1, b"third"));
+        m.abandon(b);
+        m.abandon(a);
+        for want in ["first", "second", "third"] {
+            assert_eq!(ready(m.post(pat(Some(1), None)).unwrap()).payload, want.as_bytes());
+        }
+        // Collected, a receive that matched at once has its message.
+        m.deliver(env(1, 1, b"fourth"));
+        let c = m.post_kept(pat(Some(1), Some(1))).unwrap();
+        assert_eq!(answer(&m, c).unwrap().unwrap().payload, &b"fourth"[..]);
+        assert_eq!(m.queued(), 0);
     }
 
     #[test]

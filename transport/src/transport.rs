@@ -6,7 +6,7 @@ use crate::config::TransportConfig;
 use crate::error::TransportError;
 use crate::ids::{Context, Rank, Tag};
 use crate::landing::Part;
-use crate::matching::{Envelope, Landed, Mailbox, Pattern, Posting, PostingInto};
+use crate::matching::{Envelope, Landed, Mailbox, Pattern, PostingInto};
 use crate::window::WindowId;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -344,11 +344,10 @@ impl Endpoint {
     /// # Errors
     /// The source has ended or the endpoint is closed.
     pub fn post(&self, pattern: Pattern) -> Result<PendingRecv<'_>, TransportError> {
-        let state = match self.mailbox.post(pattern)? {
-            Posting::Ready(env) => PendingState::Ready(Some(Ok(env))),
-            Posting::Posted(id) => PendingState::Kept(id),
-        };
-        Ok(PendingRecv { state, mailbox: &self.mailbox })
+        // Kept in the mailbox even when it matched at once, so that a dropped future
+        // gives its message back in its place in the order of arrival.
+        let id = self.mailbox.post_kept(pattern)?;
+        Ok(PendingRecv { state: PendingState::Kept(id), mailbox: &self.mailbox })
     }
 
     /// Posts a receive into `part` (of this endpoint's memory) now; the message's payload
@@ -495,7 +494,7 @@ impl Received for Envelope {
 
 impl Received for Landed {
     fn give_back(self, mailbox: &Mailbox) {
-        mailbox.give_back(self.into_envelope());
+        mailbox.give_back_landed(self);
     }
 
     fn poll_kept(_: &Mailbox, _: u64, _: &mut TaskContext<'_>) -> Poll<Result<Self, TransportError>> {

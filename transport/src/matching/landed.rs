@@ -30,6 +30,9 @@ pub struct Landed {
     pub tag: Tag,
     /// The part, holding the payload.
     pub part: Part,
+    /// Its number in the mailbox's order of arrival (see `Message::seq`), so that a
+    /// receiver that gives it up gives it back in its place.
+    seq: u64,
 }
 
 impl Landed {
@@ -37,7 +40,20 @@ impl Landed {
     /// on it and must not lose it.
     #[must_use]
     pub fn into_envelope(self) -> Envelope {
-        Envelope { src: self.src, ctx: self.ctx, tag: self.tag, payload: Bytes::copy_from_slice(self.part.as_slice()) }
+        self.into_message().env
+    }
+
+    /// The message as it was queued, numbered as it arrived.
+    fn into_message(self) -> Message {
+        let env = Envelope {
+            src: self.src,
+            ctx: self.ctx,
+            tag: self.tag,
+            payload: Bytes::copy_from_slice(self.part.as_slice()),
+        };
+        let mut msg = Message::whole(env);
+        msg.seq = self.seq;
+        msg
     }
 }
 
@@ -48,7 +64,7 @@ pub(super) fn land(msg: &Message, mut part: Part) -> Result<Landed, TransportErr
         return Err(TransportError::SizeMismatch { peer: env.src, expected: part.len() as u64, got: msg.len() as u64 });
     }
     msg.copy_to(part.as_mut_slice());
-    Ok(Landed { src: env.src, ctx: env.ctx, tag: env.tag, part })
+    Ok(Landed { src: env.src, ctx: env.ctx, tag: env.tag, part, seq: msg.seq })
 }
 
 /// The outcome of posting a receive into a part.
@@ -99,6 +115,8 @@ pub struct Claim {
     tag: Tag,
     part: Option<Part>,
     reply: Arc<ClaimReply>,
+    /// Its number in the order of arrival: a claimed message arrives when it is claimed.
+    seq: u64,
 }
 
 impl Claim {
@@ -168,7 +186,8 @@ impl Mailbox {
                 let reply = Arc::new(ClaimReply(Mutex::new(Some(tx))));
                 st.claims.retain(|(_, r)| r.strong_count() > 0);
                 st.claims.push((src, Arc::downgrade(&reply)));
-                Some(Claim { src, ctx, tag, part: Some(part), reply })
+                let seq = st.arrival();
+                Some(Claim { src, ctx, tag, part: Some(part), reply, seq })
             }
             // Checked just above.
             _ => None,
@@ -179,10 +198,16 @@ impl Mailbox {
     /// meanwhile, the message is given back (copied) and keeps its place.
     pub fn complete_claim(&self, mut claim: Claim) {
         let (Some(part), Some(tx)) = (claim.part.take(), claim.reply.take()) else { return };
-        let landed = Landed { src: claim.src, ctx: claim.ctx, tag: claim.tag, part };
+        let landed = Landed { src: claim.src, ctx: claim.ctx, tag: claim.tag, part, seq: claim.seq };
         if let Err(Ok(back)) = tx.send(Ok(landed)) {
-            self.give_back(back.into_envelope());
+            self.give_back_landed(back);
         }
+    }
+
+    /// Gives back a message that landed in a part whose receiver gave up on it (a
+    /// copy), in its place in the order of arrival.
+    pub fn give_back_landed(&self, landed: Landed) {
+        self.give_back_message(landed.into_message());
     }
 }
 
@@ -284,5 +309,34 @@ mod tests {
         assert_eq!(m.queued(), 1);
         let super::super::Posting::Ready(e) = m.post(from(1)).unwrap() else { panic!() };
         assert_eq!(e.payload, &b"kept"[..]);
+    }
+
+    #[test]
+    fn landed_messages_given_back_keep_their_place_in_the_order_of_arrival() {
+        let m = Mailbox::new();
+        let l = Landing::new(vec![0; 4], 32).unwrap();
+        let next = |m: &Mailbox| {
+            let super::super::Posting::Ready(e) = m.post(from(1)).unwrap() else { panic!("nothing queued") };
+            e.payload
+        };
+        // Landed from the queue, from a delivery and by a claim, each ahead of a later
+        // message; given back in any order (at the front of the queue, the claim's and
+        // then the oldest would come out first), they come out in the order they came.
+        m.deliver(env(1, b"one"));
+        let PostingInto::Ready(Ok(queued)) = m.post_into(from(1), l.part(0..3).unwrap()).unwrap() else { panic!() };
+        let mut rx = posted(m.post_into(from(1), l.part(3..6).unwrap()).unwrap());
+        m.deliver(env(1, b"two"));
+        let delivered = rx.try_recv().unwrap().unwrap();
+        let claimed_rx = posted(m.post_into(from(1), l.part(8..13).unwrap()).unwrap());
+        let mut c = m.claim(Rank(1), Context(0), Tag(1), 5).unwrap();
+        m.deliver(env(1, b"four"));
+        drop(claimed_rx);
+        c.bytes_mut().copy_from_slice(b"three");
+        m.complete_claim(c);
+        m.give_back_landed(queued);
+        m.give_back_landed(delivered);
+        for want in ["one", "two", "three", "four"] {
+            assert_eq!(next(&m), want.as_bytes());
+        }
     }
 }

@@ -103,9 +103,9 @@ pub(super) async fn read_payload(recv: &mut RecvStream, peer: Rank, len: u64) ->
     Ok(whole.freeze())
 }
 
-/// The shortest piece [`read_pieces`] expects after the first (about a datagram), and
-/// the most pieces it reserves room for at once.
+/// The shortest piece [`read_pieces`] expects after the first (about a datagram).
 const MIN_PIECE: usize = 1200;
+/// The most pieces [`read_pieces`] reserves room for at once.
 const MAX_RESERVED: usize = 4096;
 
 /// Reads a payload of `len` bytes whose header was validated, as quinn's own buffers
