@@ -31,9 +31,10 @@
 //!   allocating the new blocks. Growth starts the new processes (fresh) before this.
 //!   Over shm, rma hands whole pages over between the processes (the runtime's
 //!   `pages`); **ductile_fabric_shm_copy_rma** is the same job with
-//!   `DUCTILE_PAGE_HANDOVER=0`, copying every byte. Over tcp, every executor moves the
-//!   pages of a member's own overlap from its old block into its new one, and rma
-//!   recycles the old block's other pages too (the runtime's `anon`);
+//!   `DUCTILE_PAGE_HANDOVER=0 DUCTILE_PAGE_RECYCLE=0`, copying every byte. Over tcp,
+//!   every executor moves the pages of a member's own overlap from its old block into
+//!   its new one, and rma recycles the old block's other pages too (the runtime's
+//!   `anon`); over shm, the collective and p2p do as over tcp;
 //!   **ductile_tcp_fresh_M** is the same job with `DUCTILE_PAGE_RECYCLE=0`, faulting in
 //!   fresh pages for every new block.
 //! - **ompi_spawn_a2av**: `benches/peers/redist.c spawn-alltoallv`: NS parents spawn NT
@@ -98,15 +99,15 @@ const BACKENDS: [Backend; 4] = [
         env: &[("DUCTILE_PAGE_RECYCLE", "0")],
     },
     Backend { label: "fabric_shm", short: "shm", name: "fabric", provider: Some("shm"), methods: &METHODS, env: &[] },
-    // rma over shm copying every byte, as without page handover: the peer of the
-    // handover in the same run.
+    // rma over shm copying every byte, as without page handover (nor recycling): the
+    // peer of the handover in the same run.
     Backend {
         label: "fabric_shm_copy",
         short: "shmc",
         name: "fabric",
         provider: Some("shm"),
         methods: &["rma"],
-        env: &[("DUCTILE_PAGE_HANDOVER", "0")],
+        env: &[("DUCTILE_PAGE_HANDOVER", "0"), ("DUCTILE_PAGE_RECYCLE", "0")],
     },
 ];
 

@@ -14,6 +14,17 @@ const CIRCUIT: [u32; 20] = [2, 1, 3, 1, 4, 1, 8, 2, 3, 2, 4, 2, 8, 3, 4, 3, 8, 4
 /// Runs the circuit under `ductile run JOB_EXTRA ... -- redist EXTRA`; returns the
 /// report and the job's output.
 fn redist_job_with(method: &str, job_extra: &[&str], extra: &[&str], name: &str) -> (serde_json::Value, String) {
+    redist_job_in(&[], method, job_extra, extra, name)
+}
+
+/// [`redist_job_with`] with the variables `env` set for the job.
+fn redist_job_in(
+    env: &[(&str, &str)],
+    method: &str,
+    job_extra: &[&str],
+    extra: &[&str],
+    name: &str,
+) -> (serde_json::Value, String) {
     let report = tmp(name);
     let steps = format!("steps:{}", CIRCUIT.map(|n| n.to_string()).join(","));
     let changes = CIRCUIT.len().to_string();
@@ -24,7 +35,7 @@ fn redist_job_with(method: &str, job_extra: &[&str], extra: &[&str], name: &str)
     args.push("--");
     args.extend([prog.as_str(), "--changes", &changes]);
     args.extend(extra);
-    let (out, text) = run_noting_launcher_fds(&args);
+    let (out, text) = run_noting_launcher_fds(&args, env);
     assert!(out.status.success(), "{method}: {}\n{text}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains(&format!("redist: 20 changes by {method}, every element intact")), "{text}");
     assert_no_survivors(&report);
@@ -35,9 +46,10 @@ fn redist_job_with(method: &str, job_extra: &[&str], extra: &[&str], name: &str)
 /// Runs `ductile ARGS` and returns its output, with its standard output as text in
 /// which every line where rank 0 says what it holds (`--report-open`) is followed by
 /// what the launcher held then: "launcher holds N fds".
-fn run_noting_launcher_fds(args: &[&str]) -> (std::process::Output, String) {
+fn run_noting_launcher_fds(args: &[&str], env: &[(&str, &str)]) -> (std::process::Output, String) {
     use std::io::BufRead;
     let child = ductile(args)
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -407,12 +419,56 @@ fn rma_over_shared_memory_hands_pages_over_and_keeps_every_element() {
 /// tests are checked with recycling too.)
 #[test]
 fn moves_over_tcp_recycle_old_pages_instead_of_faulting_fresh_ones() {
+    // Every executor recycles for both old ranks that stay in 4→2: rank 1 has no own
+    // overlap there, so its old pages go under overlaps from members that leave. In 2→4
+    // rank 1 has none either, and its pages go under rank 0's overlap in rma and p2p;
+    // the collective holds segments back only for members that receive more than they
+    // send.
+    let cases = [
+        ("rma", "4", "2", 2),
+        ("rma", "2", "4", 2),
+        ("collective", "4", "2", 2),
+        ("collective", "2", "4", 1),
+        ("collective", "1", "4", 1),
+        ("p2p", "4", "2", 2),
+        ("p2p", "2", "4", 2),
+        ("p2p", "1", "4", 1),
+    ];
+    check_recycling(&["--transport", "tcp"], &["rma", "collective", "p2p"], &cases);
+}
+
+/// Over fabric shm, the collective and point-to-point moves recycle old pages as they
+/// do over tcp (one-sided moves hand pages over between the processes instead, see
+/// `rma_over_shared_memory_hands_pages_over_and_keeps_every_element`): the sources'
+/// blocks are read in place by their targets, and a member moves its old block's pages
+/// once its readers are done. With the provider's own reads (`fi_read`) too.
+#[test]
+fn moves_over_shared_memory_recycle_old_pages_instead_of_faulting_fresh_ones() {
+    if !ductile_transport::transport::backends().contains(&"fabric") {
+        eprintln!("NOTE: this build has no fabric transport: recycling over shm is not tested");
+        return;
+    }
+    let cases = [("collective", "4", "2", 2), ("collective", "2", "4", 1), ("p2p", "4", "2", 2), ("p2p", "1", "4", 1)];
+    check_recycling(&["--transport", "fabric", "--fabric-provider", "shm"], &["collective", "p2p"], &cases);
+    // Reads by the provider instead of direct copies: the transport lets go of the old
+    // block only once they are done, every element intact.
+    let direct = [("DUCTILE_FABRIC_DIRECT", "never")];
+    let shm = ["--transport", "fabric", "--fabric-provider", "shm"];
+    let (report, _) = redist_job_in(&direct, "p2p", &shm, &["--large", "33554433"], "redist-recycle-shm-fi-read.json");
+    assert_eq!(pairs(&report).len(), CIRCUIT.len());
+}
+
+/// Runs the circuit over `transport` with blocks of 32 MiB and more at odd offsets
+/// (every element checked) for each of `methods`, then for each of `cases` (method,
+/// NS, NT, old ranks that stay) a single change with and without recycling: with it,
+/// each old rank that stays takes at most three quarters of the page faults it takes
+/// without, and without it, faults in at least nine tenths of its new block's pages.
+fn check_recycling(transport: &[&str], methods: &[&str], cases: &[(&str, &str, &str, u64)]) {
     // 256 MiB and 8 bytes of "large": blocks of 32 MiB and more, which live in mappings
     // of their own (smaller ones stay on the heap), at odd offsets.
-    let tcp = ["--transport", "tcp"];
-    for method in ["rma", "collective", "p2p"] {
-        let name = format!("redist-recycle-{method}.json");
-        let (report, _) = redist_job_with(method, &tcp, &["--large", "33554433"], &name);
+    for method in methods {
+        let name = format!("redist-recycle-{method}-{}.json", transport.join("-"));
+        let (report, _) = redist_job_with(method, transport, &["--large", "33554433"], &name);
         assert_eq!(pairs(&report).len(), CIRCUIT.len());
     }
     let prog = ex("redist");
@@ -420,9 +476,10 @@ fn moves_over_tcp_recycle_old_pages_instead_of_faulting_fresh_ones() {
     let faults = |method: &str, n: &str, to: &str, ranks: u64, recycle: &str| -> Vec<(u64, u64)> {
         let policy = format!("steps:{to}");
         let mut args = vec!["run", "--timeout", "120", "-n", n, "--slots", "1", "--max-nodes", "4"];
-        args.extend(["--policy", &policy, "--redistribution", method, "--transport", "tcp", "--"]);
+        args.extend(["--policy", &policy, "--redistribution", method]);
+        args.extend(transport);
         // 128 MiB of "large": blocks of 32 MiB and more.
-        args.extend([prog.as_str(), "--changes", "1", "--large", "16777217", "--report-faults"]);
+        args.extend(["--", prog.as_str(), "--changes", "1", "--large", "16777217", "--report-faults"]);
         let out = ductile(&args).env("DUCTILE_PAGE_RECYCLE", recycle).output().expect("start ductile");
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{}\n{text}", String::from_utf8_lossy(&out.stderr));
@@ -441,27 +498,12 @@ fn moves_over_tcp_recycle_old_pages_instead_of_faulting_fresh_ones() {
         assert_eq!(by_rank.len() as u64, ranks, "{text}");
         by_rank.into_iter().map(|(_, f, p)| (f, p)).collect()
     };
-    // Every executor recycles for both old ranks that stay in 4→2: rank 1 has no own
-    // overlap there, so its old pages go under overlaps from members that leave. In 2→4
-    // rank 1 has none either, and its pages go under rank 0's overlap in rma and p2p;
-    // the collective holds segments back only for members that receive more than they
-    // send.
-    let cases = [
-        ("rma", "4", "2", 2),
-        ("rma", "2", "4", 2),
-        ("collective", "4", "2", 2),
-        ("collective", "2", "4", 1),
-        ("collective", "1", "4", 1),
-        ("p2p", "4", "2", 2),
-        ("p2p", "2", "4", 2),
-        ("p2p", "1", "4", 1),
-    ];
-    for (method, n, to, ranks) in cases {
+    for &(method, n, to, ranks) in cases {
         let (recycled, fresh) = (faults(method, n, to, ranks, "1"), faults(method, n, to, ranks, "0"));
         for (rank, ((r, pages), (f, _))) in recycled.iter().zip(&fresh).enumerate() {
             // Without recycling every page of the new blocks is faulted in; with it, at
             // least half of each block is the old block's pages.
-            let case = format!("{method} {n}->{to} rank {rank}");
+            let case = format!("{method} {n}->{to} rank {rank} over {transport:?}");
             assert!(*f >= pages * 9 / 10, "{case}: {f} faults for {pages} pages without recycling");
             assert!(r * 4 <= f * 3, "{case}: {r} faults recycling against {f} without ({pages} pages)");
         }

@@ -39,12 +39,13 @@ pub(crate) fn set_recycling(on: bool) {
     RECYCLE.store(on, Ordering::Relaxed);
 }
 
-/// Whether moves over a transport with `caps` recycle pages: it is on, and
-/// the transport lets go of a window's memory once its readers have their bytes
-/// (`releases_windows`: tcp) and does not hand pages over itself (`shares_memory`,
-/// see [`crate::pages`]).
+/// Whether moves over a transport with `caps` recycle pages: it is on, and the
+/// transport lets go of a window's memory once its readers have their bytes
+/// (`releases_windows`: tcp, fabric shm). Over shm, one-sided moves hand pages over
+/// instead (their blocks live in files, see [`crate::pages`]); the other executors
+/// recycle.
 pub(crate) fn recycling(caps: &Capabilities) -> bool {
-    RECYCLE.load(Ordering::Relaxed) && caps.releases_windows && !caps.shares_memory
+    RECYCLE.load(Ordering::Relaxed) && caps.releases_windows
 }
 
 /// A block with more seams than this is neither recycled nor recycled into.

@@ -56,7 +56,8 @@
 //! the old block is shared with the transport as `Bytes` without a copy. Each part's
 //! pages are populated before it is filled ([`crate::block`]), unless the transport
 //! populates them in its own copies (`Capabilities::populates`). Where pages are
-//! recycled (`Capabilities::releases_windows`: tcp), every executor instead moves the
+//! recycled (`Capabilities::releases_windows`: tcp; fabric shm, where one-sided moves
+//! hand pages over instead), every executor instead moves the
 //! whole pages of a member's own overlap from its old block into its new one, in a
 //! blocking move, once the transport has let go of the old block, and the old block's
 //! other pages under the last pieces from members that leave or come before it, which

@@ -58,11 +58,13 @@ pub struct Capabilities {
     /// processes instead of copying them.
     pub shares_memory: bool,
     /// Once a get's reader has its bytes, the backend holds no reference to the
-    /// window's memory (tcp: a reply is copied into the socket as it is written), so a
-    /// withdrawn window's pages may be moved elsewhere (the runtime recycles them into
-    /// new blocks). Not quic (sent stream data is kept until acknowledged) nor fabric
-    /// (registration caches may outlive a window). Sends are another matter: a tcp send
-    /// completes once queued, so its bytes are held until the peer reads them; the
+    /// window's memory (tcp: a reply is copied into the socket as it is written; fabric
+    /// shm: the reader copies the owner's memory, and the registration, which pins
+    /// nothing, is closed with the window), so a withdrawn window's pages may be moved
+    /// elsewhere (the runtime recycles them into new blocks). Not quic (sent stream
+    /// data is kept until acknowledged) nor fabric over other providers (registrations
+    /// pin pages, and their caches may outlive a window). Sends are another matter: a
+    /// send completes once queued, so its bytes are held until the peer reads them; the
     /// runtime waits for its last reference to go.
     pub releases_windows: bool,
 }

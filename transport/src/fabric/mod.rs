@@ -371,10 +371,19 @@ impl Transport for FabricTransport {
     fn capabilities(&self) -> Capabilities {
         // libfabric 1.17's shm provider copies a read (CMA) under the owner's region
         // lock (see `Capabilities::serial_reads`), unless readers copy by themselves.
+        // Its registrations pin nothing and keep no cache: once a window is withdrawn
+        // (or a send's bytes read), nothing refers to the memory (`releases_windows`).
         let direct = self.inner.direct.on();
         let shm = self.inner.attrs.provider == "shm";
         let serial_reads = shm && !direct;
-        Capabilities { polled: true, serial_reads, populates: direct, shares_memory: shm, ..Capabilities::BASIC }
+        Capabilities {
+            polled: true,
+            serial_reads,
+            populates: direct,
+            shares_memory: shm,
+            releases_windows: shm,
+            ..Capabilities::BASIC
+        }
     }
 
     fn local_addr(&self) -> EndpointAddr {
