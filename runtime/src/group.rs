@@ -165,6 +165,22 @@ impl AsyncGroup {
         self.core.timeout
     }
 
+    /// The same group (same context, members and position) with every receive bounded
+    /// by `timeout` instead.
+    pub(crate) fn with_timeout(&self, timeout: Duration) -> Self {
+        let c = &self.core;
+        let core = Core {
+            endpoint: c.endpoint.clone(),
+            ctx: c.ctx,
+            rank: c.rank,
+            members: c.members.clone(),
+            index: c.index.clone(),
+            timeout,
+            nodes: c.nodes.clone(),
+        };
+        Self { core: Arc::new(core), timed: true }
+    }
+
     fn member(&self, r: usize) -> Result<Rank> {
         self.core.members.get(r).copied().ok_or(Error::InvalidRank { rank: r, size: self.size() })
     }
@@ -496,17 +512,7 @@ impl Group {
     /// The same group (same context, members and position) with every wait bounded by
     /// `timeout` instead.
     pub(crate) fn with_timeout(&self, timeout: Duration) -> Self {
-        let c = &self.timed.core;
-        let core = Core {
-            endpoint: c.endpoint.clone(),
-            ctx: c.ctx,
-            rank: c.rank,
-            members: c.members.clone(),
-            index: c.index.clone(),
-            timeout,
-            nodes: c.nodes.clone(),
-        };
-        Self::new(AsyncGroup { core: Arc::new(core), timed: true }, self.handle.clone(), self.spin)
+        Self::new(self.timed.with_timeout(timeout), self.handle.clone(), self.spin)
     }
 
     /// Runs an async operation of this group to completion on the calling thread,

@@ -1,4 +1,5 @@
-//! Child jobs: [`Group::launch`] (paper 002's `MPI_Comm_launch`).
+//! Child jobs: [`Group::launch`] and [`AsyncGroup::launch`] (paper 002's
+//! `MPI_Comm_launch`).
 //!
 //! Every member of a group calls `launch` with the same [`Launch`]; the group's first
 //! member starts the child job with the ductile launcher (`ductile run`, one process
@@ -29,9 +30,11 @@
 //! (`--report /dev/fd/N`), so nothing is left on disk if the first member dies.
 
 use crate::bootstrap::{TransportSpec, CONTROL_FD_ENV};
-use crate::error::Result;
-use crate::group::Group;
+use crate::error::{Error, Result};
+use crate::group::{AsyncGroup, Group};
 use crate::reduce::ReduceOp;
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Seek};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -39,6 +42,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+use tracing::Instrument;
 
 /// The variable naming the launcher binary (set by the agent for every process).
 pub const LAUNCHER_ENV: &str = "DUCTILE_LAUNCHER";
@@ -208,26 +212,63 @@ impl Group {
     /// cannot be started, or the group's messages fail. Members that do not get the
     /// outcome within the child's timeout plus a margin time out.
     pub fn launch(&self, what: &Launch) -> Result<LaunchStatus> {
-        let _span = tracing::debug_span!("launch", program = %what.program, members = self.size()).entered();
-        let mut first = what.clone();
-        self.broadcast_value(0, &mut first)?;
-        let mine = if first == *what { u64::MAX } else { self.rank() as u64 };
-        let differs = self.allreduce(&[mine], ReduceOp::Min)?[0];
-        if differs != u64::MAX {
-            return Err(LaunchError::Differs { member: differs, program: first.program }.into());
-        }
-        first.check().map_err(LaunchError::Invalid)?;
-        let mut outcome: std::result::Result<LaunchStatus, LaunchError> = if self.rank() == 0 {
-            run_child(&launcher(), &first, self.size())
-        } else {
-            Err(LaunchError::Launcher(String::new()))
-        };
-        let wait = Duration::from_secs(first.timeout_secs() + LAUNCH_MARGIN.as_secs() + KILL_GRACE.as_secs())
-            + self.as_async().timeout();
-        self.with_timeout(wait).broadcast_value(0, &mut outcome)?;
-        tracing::debug!("child job of {} ended: {outcome:?}", first.program);
-        Ok(outcome?)
+        // The call lasts as long as the child job: it is bounded by the waits of
+        // [`AsyncGroup::launch`], each within its own limit, and by their sum.
+        let steps = self.as_async().timeout() * 2 + outcome_wait(what, self.as_async());
+        self.with_timeout(steps).block(self.as_async().launch(what))
     }
+}
+
+impl AsyncGroup {
+    /// [`Group::launch`] for code that runs on an executor: starts a child job of one
+    /// process per member and resolves once it has ended. The group's first member
+    /// waits for the child launcher on a thread of the runtime's blocking pool
+    /// (`tokio::task::spawn_blocking`), so the executor it runs on is never held up.
+    ///
+    /// # Collective
+    /// Every member passes an equal [`Launch`].
+    ///
+    /// # Errors
+    /// As [`Group::launch`].
+    pub async fn launch(&self, what: &Launch) -> Result<LaunchStatus> {
+        let span = tracing::debug_span!("launch", program = %what.program, members = self.size());
+        async {
+            let first: Launch = broadcast(self, 0, what).await?;
+            let mine = if first == *what { u64::MAX } else { self.rank() as u64 };
+            let differs = self.allreduce(&[mine], ReduceOp::Min).await?[0];
+            if differs != u64::MAX {
+                return Err(LaunchError::Differs { member: differs, program: first.program }.into());
+            }
+            first.check().map_err(LaunchError::Invalid)?;
+            let outcome: std::result::Result<LaunchStatus, LaunchError> = if self.rank() == 0 {
+                let (launch, size) = (first.clone(), self.size());
+                tokio::task::spawn_blocking(move || run_child(&launcher(), &launch, size)).await.unwrap_or_else(|e| {
+                    Err(LaunchError::Launcher(format!("the launcher's waiting thread failed: {e}")))
+                })
+            } else {
+                Err(LaunchError::Launcher(String::new()))
+            };
+            let outcome = broadcast(&self.with_timeout(outcome_wait(&first, self)), 0, &outcome).await?;
+            tracing::debug!("child job of {} ended: {outcome:?}", first.program);
+            Ok(outcome?)
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+/// How long the other members wait for the first member's word on the child job
+/// `what`: as long as the first member waits for it, plus the group's timeout.
+fn outcome_wait(what: &Launch, g: &AsyncGroup) -> Duration {
+    Duration::from_secs(what.timeout_secs() + LAUNCH_MARGIN.as_secs() + KILL_GRACE.as_secs()) + g.timeout()
+}
+
+/// `root`'s `value`, on every member of `g`.
+async fn broadcast<S: Serialize + DeserializeOwned>(g: &AsyncGroup, root: usize, value: &S) -> Result<S> {
+    let payload =
+        if g.rank() == root { Bytes::from(postcard::to_stdvec(value).map_err(Error::Encode)?) } else { Bytes::new() };
+    let b = g.broadcast_bytes(root, payload).await?;
+    postcard::from_bytes(&b).map_err(|source| Error::Decode { src: root, source })
 }
 
 /// The first member's part: runs the child launcher to its end.
