@@ -214,7 +214,7 @@ impl Group {
     pub fn launch(&self, what: &Launch) -> Result<LaunchStatus> {
         // The call lasts as long as the child job: it is bounded by the waits of
         // [`AsyncGroup::launch`], each within its own limit, and by their sum.
-        let steps = self.as_async().timeout() * 2 + outcome_wait(what, self.as_async());
+        let steps = self.as_async().timeout().saturating_mul(2).saturating_add(outcome_wait(what, self.as_async()));
         self.with_timeout(steps).block(self.as_async().launch(what))
     }
 }
@@ -224,6 +224,9 @@ impl AsyncGroup {
     /// process per member and resolves once it has ended. The group's first member
     /// waits for the child launcher on a thread of the runtime's blocking pool
     /// (`tokio::task::spawn_blocking`), so the executor it runs on is never held up.
+    /// Like every operation of the group, it must be polled within a Tokio runtime.
+    /// Dropped before it resolves, it ends the child job (within a fraction of a
+    /// second, and the launcher's grace period): nothing runs on unwatched.
     ///
     /// # Collective
     /// Every member passes an equal [`Launch`].
@@ -242,7 +245,11 @@ impl AsyncGroup {
             first.check().map_err(LaunchError::Invalid)?;
             let outcome: std::result::Result<LaunchStatus, LaunchError> = if self.rank() == 0 {
                 let (launch, size) = (first.clone(), self.size());
-                tokio::task::spawn_blocking(move || run_child(&launcher(), &launch, size)).await.unwrap_or_else(|e| {
+                let abandoned = Abandoned::default();
+                let flag = abandoned.0.clone();
+                let waited = tokio::task::spawn_blocking(move || run_child(&launcher(), &launch, size, &flag)).await;
+                drop(abandoned);
+                waited.unwrap_or_else(|e| {
                     Err(LaunchError::Launcher(format!("the launcher's waiting thread failed: {e}")))
                 })
             } else {
@@ -258,10 +265,27 @@ impl AsyncGroup {
 }
 
 /// How long the other members wait for the first member's word on the child job
-/// `what`: as long as the first member waits for it, plus the group's timeout.
+/// `what`: as long as the first member can wait for it (the child's timeout, the
+/// margin, and a grace period after each of SIGTERM and SIGKILL), plus the group's
+/// timeout.
 fn outcome_wait(what: &Launch, g: &AsyncGroup) -> Duration {
-    Duration::from_secs(what.timeout_secs() + LAUNCH_MARGIN.as_secs() + KILL_GRACE.as_secs()) + g.timeout()
+    let secs = what.timeout_secs().saturating_add(LAUNCH_MARGIN.as_secs()).saturating_add(2 * KILL_GRACE.as_secs());
+    Duration::from_secs(secs).saturating_add(g.timeout())
 }
+
+/// Set when the launch that waits for a child job is dropped before the job ends, so
+/// that the thread watching it ends it (see [`run_child`]).
+#[derive(Default)]
+struct Abandoned(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for Abandoned {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// How often the thread watching a child job looks whether its launch was abandoned.
+const ABANDON_POLL: Duration = Duration::from_millis(100);
 
 /// `root`'s `value`, on every member of `g`.
 async fn broadcast<S: Serialize + DeserializeOwned>(g: &AsyncGroup, root: usize, value: &S) -> Result<S> {
@@ -272,7 +296,12 @@ async fn broadcast<S: Serialize + DeserializeOwned>(g: &AsyncGroup, root: usize,
 }
 
 /// The first member's part: runs the child launcher to its end.
-fn run_child(launcher: &std::path::Path, what: &Launch, size: usize) -> std::result::Result<LaunchStatus, LaunchError> {
+fn run_child(
+    launcher: &std::path::Path,
+    what: &Launch,
+    size: usize,
+    abandoned: &std::sync::atomic::AtomicBool,
+) -> std::result::Result<LaunchStatus, LaunchError> {
     let who = launcher.display();
     let mut report = ReportFd::new().map_err(|e| LaunchError::Launcher(format!("cannot make its report file: {e}")))?;
     let mut cmd = child_command(launcher, what, size, &report.path());
@@ -282,8 +311,19 @@ fn run_child(launcher: &std::path::Path, what: &Launch, size: usize) -> std::res
         ))
     })?;
     let watch = Watch::new(&child);
-    let limit = Duration::from_secs(what.timeout_secs() + LAUNCH_MARGIN.as_secs());
-    let Some(status) = watch.wait(&mut child, Instant::now() + limit) else {
+    let limit = Duration::from_secs(what.timeout_secs().saturating_add(LAUNCH_MARGIN.as_secs()));
+    let end = Instant::now() + limit;
+    let waited = loop {
+        let waited = watch.wait(&mut child, end.min(Instant::now() + ABANDON_POLL));
+        if waited.is_some() || Instant::now() >= end {
+            break waited;
+        }
+        if abandoned.load(std::sync::atomic::Ordering::Relaxed) {
+            watch.end(&mut child);
+            return Err(LaunchError::Launcher("the launch was abandoned before its child job ended; ended it".into()));
+        }
+    };
+    let Some(status) = waited else {
         watch.end(&mut child);
         return Ok(LaunchStatus {
             code: LAUNCH_TIMEOUT_EXIT,
@@ -478,6 +518,7 @@ pub(crate) fn exit_code(s: ExitStatus) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicBool;
 
     #[test]
     fn launches_are_checked_before_anything_starts() {
@@ -529,11 +570,13 @@ mod tests {
 
     #[test]
     fn a_launcher_that_cannot_start_is_an_error_naming_it() {
-        let e =
-            run_child(std::path::Path::new("/nonexistent/ductile"), &Launch::new("true"), 1).unwrap_err().to_string();
+        let go = AtomicBool::new(false);
+        let e = run_child(std::path::Path::new("/nonexistent/ductile"), &Launch::new("true"), 1, &go)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("/nonexistent/ductile") && e.contains(LAUNCHER_ENV), "{e}");
         // A launcher that runs but refuses the job writes no report.
-        let e = run_child(std::path::Path::new("false"), &Launch::new("true"), 1).unwrap_err().to_string();
+        let e = run_child(std::path::Path::new("false"), &Launch::new("true"), 1, &go).unwrap_err().to_string();
         assert!(e.contains("did not run the child job") && e.contains("exited with 1"), "{e}");
         // One killed by a signal says so.
         let dir = std::env::temp_dir().join(format!("ductile-launch-test-{}", std::process::id()));
@@ -541,8 +584,31 @@ mod tests {
         let killer = dir.join("launcher");
         std::fs::write(&killer, "#!/bin/sh\nkill -9 $$\n").unwrap();
         std::fs::set_permissions(&killer, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
-        let e = run_child(&killer, &Launch::new("true"), 1).unwrap_err().to_string();
+        let e = run_child(&killer, &Launch::new("true"), 1, &go).unwrap_err().to_string();
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(e.contains("was killed by signal 9"), "{e}");
+    }
+
+    #[test]
+    fn an_abandoned_launch_ends_its_child_job_at_once() {
+        // A launcher that would run for a minute, whose launch is abandoned: it is ended
+        // (SIGTERM) long before its timeout, and the launch says why.
+        let dir = std::env::temp_dir().join(format!("ductile-launch-abandon-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let slow = dir.join("launcher");
+        std::fs::write(&slow, "#!/bin/sh\nexec sleep 60\n").unwrap();
+        std::fs::set_permissions(&slow, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+        let abandoned = AtomicBool::new(false);
+        let started = Instant::now();
+        let e = std::thread::scope(|s| {
+            let watching =
+                s.spawn(|| run_child(&slow, &Launch::new("true").timeout(Duration::from_secs(60)), 1, &abandoned));
+            std::thread::sleep(Duration::from_millis(300));
+            abandoned.store(true, std::sync::atomic::Ordering::Relaxed);
+            watching.join().unwrap().unwrap_err().to_string()
+        });
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(e.contains("abandoned"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
     }
 }
