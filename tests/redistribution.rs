@@ -441,7 +441,8 @@ fn moves_over_tcp_recycle_old_pages_instead_of_faulting_fresh_ones() {
 /// do over tcp (one-sided moves hand pages over between the processes instead, see
 /// `rma_over_shared_memory_hands_pages_over_and_keeps_every_element`): the sources'
 /// blocks are read in place by their targets, and a member moves its old block's pages
-/// once its readers are done. With the provider's own reads (`fi_read`) too.
+/// once its readers are done. With the provider's own reads (`fi_read`) instead of
+/// direct copies, nothing is recycled, and every element stays intact.
 #[test]
 fn moves_over_shared_memory_recycle_old_pages_instead_of_faulting_fresh_ones() {
     if !ductile_transport::transport::backends().contains(&"fabric") {
@@ -450,8 +451,8 @@ fn moves_over_shared_memory_recycle_old_pages_instead_of_faulting_fresh_ones() {
     }
     let cases = [("collective", "4", "2", 2), ("collective", "2", "4", 1), ("p2p", "4", "2", 2), ("p2p", "1", "4", 1)];
     check_recycling(&["--transport", "fabric", "--fabric-provider", "shm"], &["collective", "p2p"], &cases);
-    // Reads by the provider instead of direct copies: the transport lets go of the old
-    // block only once they are done, every element intact.
+    // Reads by the provider instead of direct copies: no recycling (the provider may
+    // copy out of an owner's memory in the owner's progress), every element intact.
     let direct = [("DUCTILE_FABRIC_DIRECT", "never")];
     let shm = ["--transport", "fabric", "--fabric-provider", "shm"];
     let (report, _) = redist_job_in(&direct, "p2p", &shm, &["--large", "33554433"], "redist-recycle-shm-fi-read.json");

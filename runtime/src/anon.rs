@@ -41,9 +41,9 @@ pub(crate) fn set_recycling(on: bool) {
 
 /// Whether moves over a transport with `caps` recycle pages: it is on, and the
 /// transport lets go of a window's memory once its readers have their bytes
-/// (`releases_windows`: tcp, fabric shm). Over shm, one-sided moves hand pages over
-/// instead (their blocks live in files, see [`crate::pages`]); the other executors
-/// recycle.
+/// (`releases_windows`: tcp, fabric shm with direct copies). Over shm, one-sided moves
+/// hand pages over instead, unless `DUCTILE_PAGE_HANDOVER=0` (their blocks live in
+/// files, see [`crate::pages`]); the other executors recycle.
 pub(crate) fn recycling(caps: &Capabilities) -> bool {
     RECYCLE.load(Ordering::Relaxed) && caps.releases_windows
 }

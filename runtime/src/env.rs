@@ -8,8 +8,8 @@
 //! | `DUCTILE_TIMEOUT` | timeout of every wait of a standalone process, s (launched ranks get theirs from the launcher) | [`DEFAULT_TIMEOUT_SECS`] |
 //! | `DUCTILE_BACKGROUND_SHARE` | share of the time a background redistribution may keep the processes busy, in (0, 1]; 1 moves at full speed | [`DEFAULT_BACKGROUND_SHARE`] |
 //! | `DUCTILE_HUGE_PAGES` | `1`: new blocks of registered data of 32 MiB and more get transparent huge pages when the kernel has them free (see `block`) | `0` |
-//! | `DUCTILE_PAGE_HANDOVER` | `0`: one-sided moves over fabric shm copy every byte instead of handing whole pages over between processes (see `pages`) | `1` |
-//! | `DUCTILE_PAGE_RECYCLE` | `0`: moves over tcp fault in fresh pages for every new block instead of reusing the pages of the old one (see `anon`) | `1` |
+//! | `DUCTILE_PAGE_HANDOVER` | `0`: one-sided moves over fabric shm do not hand whole pages over between processes (see `pages`); they copy, into recycled pages unless `DUCTILE_PAGE_RECYCLE=0` too | `1` |
+//! | `DUCTILE_PAGE_RECYCLE` | `0`: moves over tcp and fabric shm fault in fresh pages for every new block instead of reusing the pages of the old one (see `anon`) | `1` |
 //! | `DUCTILE_MALLOC_TUNING` | `0` leaves glibc's allocator settings alone (see `init`) | `1` |
 //! | `DUCTILE_CONTROL_FD` | set by the agent: the control channel's descriptor | unset (standalone) |
 //! | `DUCTILE_LAUNCHER` | the `ductile` binary that child jobs (`Group::launch`) and the growth of a process started alone run; set by the agent to its own | `ductile` from `PATH` |

@@ -464,7 +464,10 @@ impl Mailbox {
     /// message queued, even of one that arrived before it or that is given back in its
     /// place later. Receives abandoned inside the mailbox ([`Mailbox::abandon`], a
     /// dropped [`WaitHere`]) and messages that landed in parts
-    /// ([`Mailbox::give_back_landed`]) go back in their places.
+    /// ([`Mailbox::give_back_landed`]) go back in their places. Every message given back
+    /// goes first to the oldest receive still waiting that matches it: where two
+    /// receives holding messages are dropped newest first while a third waits, the
+    /// third gets the newer message and the older one is queued behind it.
     pub fn give_back(&self, env: Envelope) {
         self.give_back_message(Message::whole(env));
     }

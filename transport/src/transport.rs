@@ -59,8 +59,8 @@ pub struct Capabilities {
     pub shares_memory: bool,
     /// Once a get's reader has its bytes, the backend holds no reference to the
     /// window's memory (tcp: a reply is copied into the socket as it is written; fabric
-    /// shm: the reader copies the owner's memory, and the registration, which pins
-    /// nothing, is closed with the window), so a withdrawn window's pages may be moved
+    /// shm where readers copy the owner's memory themselves: the registration, which
+    /// pins nothing, is closed with the window), so a withdrawn window's pages may be moved
     /// elsewhere (the runtime recycles them into new blocks). Not quic (sent stream
     /// data is kept until acknowledged) nor fabric over other providers (registrations
     /// pin pages, and their caches may outlive a window). Sends are another matter: a

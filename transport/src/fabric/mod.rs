@@ -371,17 +371,21 @@ impl Transport for FabricTransport {
     fn capabilities(&self) -> Capabilities {
         // libfabric 1.17's shm provider copies a read (CMA) under the owner's region
         // lock (see `Capabilities::serial_reads`), unless readers copy by themselves.
-        // Its registrations pin nothing and keep no cache: once a window is withdrawn
-        // (or a send's bytes read), nothing refers to the memory (`releases_windows`).
+        // Its registrations pin nothing and keep no cache, and where readers copy by
+        // themselves, once a window is withdrawn (or a send's bytes read) nothing
+        // refers to the memory (`releases_windows`). Not with the provider's own reads:
+        // some of its protocols copy out of the owner's memory in the owner's progress,
+        // which a peer seen as ended might leave half done.
         let direct = self.inner.direct.on();
         let shm = self.inner.attrs.provider == "shm";
         let serial_reads = shm && !direct;
+        let releases_windows = shm && direct;
         Capabilities {
             polled: true,
             serial_reads,
             populates: direct,
             shares_memory: shm,
-            releases_windows: shm,
+            releases_windows,
             ..Capabilities::BASIC
         }
     }
