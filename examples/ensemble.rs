@@ -4,14 +4,15 @@
 //!
 //! `ductile run -n 4 --nodes 2 -- target/release/examples/ensemble [--tasks T]
 //! [--tries N] [--fail-attempts K] [--fail-how exit|crash|hang] [--timeout SECS]
-//! [--per-node] [--mismatch] [--time]`
+//! [--per-node] [--mismatch] [--time] [--async]`
 //!
 //! The last child of the first K attempts of every task fails (`exit`: code 3;
 //! `crash`: abort; `hang`: sleeps until the child job's timeout ends it); the other
 //! children allreduce their ranks and check the sum. `--mismatch`: member 1 asks for a
 //! different child job, which every member must refuse. Exit code: 0 if every task
 //! succeeded, 3 if one failed every try, 4 if a launch was refused. `--time`: the
-//! first member prints how long the launches took (`benches/launch.rs`).
+//! first member prints how long the launches took (`benches/launch.rs`). `--async`:
+//! launches with `AsyncGroup::launch`, run on the session's runtime.
 
 use anyhow::{bail, Context};
 use ductile::{Launch, ReduceOp};
@@ -26,6 +27,7 @@ struct Opts {
     per_node: bool,
     mismatch: bool,
     time: bool,
+    asynchronous: bool,
 }
 
 fn parse() -> anyhow::Result<Opts> {
@@ -38,6 +40,7 @@ fn parse() -> anyhow::Result<Opts> {
         per_node: false,
         mismatch: false,
         time: false,
+        asynchronous: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -51,6 +54,7 @@ fn parse() -> anyhow::Result<Opts> {
             "--per-node" => o.per_node = true,
             "--mismatch" => o.mismatch = true,
             "--time" => o.time = true,
+            "--async" => o.asynchronous = true,
             other => bail!("unknown argument {other:?}"),
         }
     }
@@ -109,7 +113,9 @@ fn main() -> anyhow::Result<()> {
                 what = what.arg("extra");
             }
             launches += 1;
-            let status = match g.launch(&what) {
+            let launched =
+                if o.asynchronous { s.handle()?.block_on(g.as_async().launch(&what)) } else { g.launch(&what) };
+            let status = match launched {
                 Ok(st) => st,
                 Err(e) => {
                     println!("ensemble: rank {me}: launch refused: {e}");

@@ -53,6 +53,18 @@ fn every_member_gets_the_child_jobs_status_and_failed_tasks_are_retried() {
 }
 
 #[test]
+fn async_launches_agree_and_retry_as_blocking_ones_do() {
+    // AsyncGroup::launch run on the session's runtime: the same statuses.
+    let out = ensemble("async", 3, &["--tasks", "1", "--fail-attempts", "1", "--async"], &[]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    let failed = "ensemble: job: task 0 attempt 0: status 3 (rank 2 on node 2 exited with code 3)\n";
+    assert!(stdout.contains(failed), "{stdout}");
+    assert!(stdout.contains("child job of task 0, attempt 1: 3 processes, ranks sum to 3"), "{stdout}");
+    assert!(stdout.contains("ensemble: job: 1 of 1 tasks succeeded"), "{stdout}");
+}
+
+#[test]
 fn a_task_that_fails_every_try_is_reported_and_the_parent_goes_on() {
     let out = ensemble("exhausted", 2, &["--tasks", "1", "--tries", "2", "--fail-attempts", "5"], &[]);
     let (stdout, stderr) = text(&out);

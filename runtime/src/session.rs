@@ -444,7 +444,17 @@ impl Session {
         Ok(Group::new(g.placed(placement([m])), rt.handle().clone(), spin))
     }
 
-    fn handle(&self) -> Result<tokio::runtime::Handle> {
+    /// The Tokio runtime that drives this session's transport and timers: where
+    /// [`AsyncGroup`] operations run. From a thread of the application,
+    /// `session.handle()?.block_on(world.as_async().barrier())` runs one to its end;
+    /// `spawn` runs one beside the application. Operations polled on another runtime
+    /// would start the transport's connection tasks there, which end with it.
+    ///
+    /// # Local
+    ///
+    /// # Errors
+    /// The session has been finalized.
+    pub fn handle(&self) -> Result<tokio::runtime::Handle> {
         self.rt.as_ref().map(|rt| rt.handle().clone()).ok_or(Error::Invalid("session is closed".into()))
     }
 
