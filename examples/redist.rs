@@ -129,6 +129,29 @@ fn held_bytes(s: &Session, args: &Args) -> anyhow::Result<u64> {
     Ok(total)
 }
 
+/// A group of an ended membership refuses to address its members, saying why.
+fn stale(g: &ductile::Group) -> anyhow::Result<()> {
+    match g.barrier() {
+        Err(ductile::Error::StaleGroup) => Ok(()),
+        other => bail!("a group kept from before the change: expected it to be stale, got {other:?}"),
+    }
+}
+
+/// A released process holds no block: asking for one, of any element type, or for its
+/// range, is an error that says so.
+fn released_holds_nothing(s: &Session, args: &Args) -> anyhow::Result<()> {
+    for (name, _) in item_names(args) {
+        let errors = [s.block::<u8>(name).err(), s.block::<u128>(name).err(), s.block_range(name).err()];
+        for e in errors {
+            match e {
+                Some(e) if e.to_string().contains("released") => {}
+                other => bail!("{name:?} on a released process: expected an error saying so, got {other:?}"),
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The distinct runtime block files (`memfd:ductile-block`) mapped over `block`, by
 /// `/proc/self/maps`.
 fn block_files(block: &[u64]) -> anyhow::Result<usize> {
@@ -276,6 +299,9 @@ fn main() -> anyhow::Result<()> {
     while s.epoch() < args.changes {
         let mark = if args.check_memory && !s.moving() { Some(memory_mark()?) } else { None };
         let faults = if args.report_faults { minor_faults()? } else { 0 };
+        // A group kept across a change that switches the job to another membership no
+        // longer works: it does not follow the job.
+        let before = s.world().clone();
         let cp = if args.background && waited.is_none() { s.checkpoint_background() } else { s.checkpoint() };
         let cp = match (cp, args.keep_going) {
             (Ok(cp), _) => cp,
@@ -313,8 +339,13 @@ fn main() -> anyhow::Result<()> {
             }
         }
         match cp {
-            Checkpoint::Released(_) => return Ok(s.finalize()?),
+            Checkpoint::Released(_) => {
+                released_holds_nothing(&s, &args)?;
+                stale(&before)?;
+                return Ok(s.finalize()?);
+            }
             Checkpoint::Resized(r) => {
+                stale(&before)?;
                 verify(&s, &args)
                     .with_context(|| format!("after change {} ({} -> {})", r.seq, r.old_size, r.new_size))?;
                 check_methods(&s, &args)?;

@@ -81,6 +81,7 @@ impl AsyncGroup {
     /// # Errors
     /// A transport error or timeout naming the peer.
     pub async fn barrier(&self) -> Result<()> {
+        self.live()?;
         let (p, r) = (self.size(), self.rank());
         let mut dist = 1;
         let mut round = 0;
@@ -100,6 +101,7 @@ impl AsyncGroup {
     /// # Errors
     /// Bad root, or a transport error or timeout naming the peer.
     pub async fn broadcast_bytes(&self, root: usize, data: Bytes) -> Result<Bytes> {
+        self.live()?;
         self.check_root(root)?;
         let p = self.size();
         if p == 1 {
@@ -181,6 +183,7 @@ impl AsyncGroup {
     /// # Errors
     /// Bad root, mismatched lengths, or a transport error or timeout naming the peer.
     pub async fn reduce<T: Reducible>(&self, root: usize, data: &[T], op: ReduceOp) -> Result<Option<Vec<T>>> {
+        self.live()?;
         self.check_root(root)?;
         let p = self.size();
         let vr = (self.rank() + p - root) % p;
@@ -220,6 +223,7 @@ impl AsyncGroup {
     /// # Errors
     /// Mismatched lengths, or a transport error or timeout naming the peer.
     pub async fn allreduce<T: Reducible>(&self, data: &[T], op: ReduceOp) -> Result<Vec<T>> {
+        self.live()?;
         let p = self.size();
         let mut acc = data.to_vec();
         if p == 1 {
@@ -308,6 +312,7 @@ impl AsyncGroup {
     /// # Errors
     /// Bad root, or a transport error or timeout naming the peer.
     pub async fn gather_bytes(&self, root: usize, data: Bytes) -> Result<Option<Vec<Bytes>>> {
+        self.live()?;
         self.check_root(root)?;
         if self.rank() != root {
             self.send_tagged(root, tag(Op::Gather, 0), data).await?;
@@ -326,6 +331,7 @@ impl AsyncGroup {
     /// # Errors
     /// A transport error or timeout naming the peer.
     pub async fn allgather_bytes(&self, data: Bytes) -> Result<Vec<Bytes>> {
+        self.live()?;
         let (p, r) = (self.size(), self.rank());
         let mut out = vec![Bytes::new(); p];
         out[r] = data;
@@ -346,6 +352,7 @@ impl AsyncGroup {
     /// `blocks.len()` is not the group size, or a transport error or timeout naming
     /// the peer.
     pub async fn alltoallv_bytes(&self, mut blocks: Vec<Bytes>) -> Result<Vec<Bytes>> {
+        self.live()?;
         let (p, r) = (self.size(), self.rank());
         if blocks.len() != p {
             return Err(Error::Invalid(format!("alltoallv needs {p} blocks, got {}", blocks.len())));
@@ -614,6 +621,68 @@ mod tests {
             }
             let bad = g.allreduce(&vec![1u32; g.rank() + 1], ReduceOp::Sum);
             assert!(matches!(bad, Err(Error::LengthMismatch { .. })), "{bad:?}");
+        });
+    }
+
+    #[test]
+    fn a_group_of_an_ended_membership_refuses_every_operation_with_members() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let memberships = crate::group::Memberships::default();
+        let number = memberships.advance();
+        let ep = MemHub::endpoints(1).pop().unwrap();
+        let g = AsyncGroup::new(ep.clone(), Context(0), vec![Rank(0)], 0, Duration::from_secs(10)).unwrap();
+        let g = Group::new(g.fenced(&memberships, number), rt.handle().clone(), Duration::from_micros(20));
+        let copy = g.clone();
+        g.send(0, 1, &[1u32]).unwrap();
+        assert_eq!(g.recv::<u32>(Some(0), Some(1)).unwrap().0, vec![1]);
+        g.barrier().unwrap();
+        g.send(0, 2, &[2u32]).unwrap();
+        memberships.advance();
+        let stale = |r: Result<()>| assert!(matches!(r, Err(Error::StaleGroup)), "{r:?}");
+        for g in [&g, &copy] {
+            stale(g.send(0, 1, &[1u32]));
+            stale(g.send_bytes(0, 1, Bytes::from_static(b"x")));
+            stale(g.recv::<u32>(Some(0), Some(2)).map(drop));
+            stale(g.recv::<u32>(None, None).map(drop));
+            stale(g.recv_into(Some(0), Some(2), &mut [0u32]).map(drop));
+            stale(g.barrier());
+            stale(g.allreduce(&[1u64], ReduceOp::Sum).map(drop));
+            stale(rt.block_on(g.as_async().recv_bytes(None, Some(2))).map(drop));
+            assert_eq!((g.rank(), g.size()), (0, 1));
+        }
+        // What was sent before is still there, for a group of the new membership.
+        let now = AsyncGroup::new(ep, Context(0), vec![Rank(0)], 0, Duration::from_secs(10)).unwrap();
+        let now = Group::new(now.fenced(&memberships, memberships.current()), rt.handle().clone(), Duration::ZERO);
+        assert_eq!(now.recv::<u32>(Some(0), Some(2)).unwrap().0, vec![2]);
+    }
+
+    #[test]
+    fn a_receive_into_a_buffer_of_another_length_keeps_the_message() {
+        run(2, |g| {
+            if g.rank() == 0 {
+                g.send(1, 4, &[1u32, 2, 3]).unwrap();
+                g.send(1, 4, &[4u32, 5]).unwrap();
+                g.send(1, 4, &[6u8, 7, 8, 9, 10]).unwrap();
+                g.send(1, 4, &[11u32]).unwrap();
+            } else {
+                let mut two = [0u32; 2];
+                let err = g.recv_into(Some(0), Some(4), &mut two).unwrap_err();
+                assert!(matches!(err, Error::LengthMismatch { expected: 2, got: 3, src: 0, .. }), "{err}");
+                assert_eq!(two, [0, 0], "nothing is written into a buffer of another length");
+                // Still first in line, ahead of the later messages.
+                let (first, st) = g.recv::<u32>(Some(0), Some(4)).unwrap();
+                assert_eq!((first, st.len), (vec![1, 2, 3], 12));
+                g.recv_into(Some(0), Some(4), &mut two).unwrap();
+                assert_eq!(two, [4, 5]);
+                // Five bytes are no whole number of u32s: refused, and kept as well.
+                let err = g.recv_into(None, None, &mut two).unwrap_err();
+                assert!(matches!(err, Error::Misaligned { len: 5, elem: 4, src: 0 }), "{err}");
+                assert_eq!(&g.recv_bytes(Some(0), Some(4)).unwrap().0[..], &[6, 7, 8, 9, 10]);
+                let mut one = [0u32; 1];
+                assert_eq!(g.recv_into(Some(0), Some(4), &mut one).unwrap().len, 4);
+                assert_eq!(one, [11]);
+            }
+            g.barrier().unwrap();
         });
     }
 }

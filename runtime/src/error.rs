@@ -78,6 +78,15 @@ pub enum Error {
     /// A call with arguments that make no sense (documented per call).
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// A group of an earlier membership of the job: a checkpoint has since switched the
+    /// job to another, or released this process. Groups do not follow the job; the
+    /// current one is [`crate::Session::world`] (or a group built again from a process
+    /// set of the current membership).
+    #[error(
+        "this group belongs to an earlier membership of the job, which a checkpoint ended; \
+         take the current one from Session::world (or build the group again)"
+    )]
+    StaleGroup,
 }
 
 impl Error {

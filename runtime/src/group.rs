@@ -18,6 +18,7 @@ use ductile_transport::{
 use rustc_hash::FxHashMap;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::runtime::Handle;
@@ -43,6 +44,30 @@ struct Core {
     timeout: Duration,
     /// Node of each endpoint the group may name in an error (empty: none known).
     nodes: Arc<FxHashMap<Rank, NodeId>>,
+    /// The membership of the job the group belongs to, if it is the world's or one of
+    /// its process sets'.
+    fence: Option<(Memberships, u64)>,
+}
+
+/// A session's count of the memberships it has had. The world's group, and the groups
+/// built from its process sets, belong to the membership current when they were made:
+/// once a checkpoint has switched the job to another (or released this process), they
+/// refuse every operation that addresses members ([`Error::StaleGroup`]), where they
+/// would otherwise go on among the old members, or wait for processes that left.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Memberships(Arc<AtomicU64>);
+
+impl Memberships {
+    /// The current membership's number.
+    pub(crate) fn current(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// A new membership begins (the groups of the others are stale from now on); its
+    /// number.
+    pub(crate) fn advance(&self) -> u64 {
+        self.0.fetch_add(1, Ordering::AcqRel) + 1
+    }
 }
 
 thread_local! {
@@ -79,7 +104,26 @@ impl AsyncGroup {
             return Err(Error::Invalid("a rank appears twice in the group".into()));
         }
         let nodes = Arc::default();
-        Ok(Self { core: Arc::new(Core { endpoint, ctx, rank, members, index, timeout, nodes }), timed: true })
+        let core = Core { endpoint, ctx, rank, members, index, timeout, nodes, fence: None };
+        Ok(Self { core: Arc::new(core), timed: true })
+    }
+
+    /// The same new group, belonging to membership `number` of `memberships`.
+    pub(crate) fn fenced(mut self, memberships: &Memberships, number: u64) -> Self {
+        match Arc::get_mut(&mut self.core) {
+            Some(core) => core.fence = Some((memberships.clone(), number)),
+            None => debug_assert!(false, "fenced() is for a group nobody shares yet"),
+        }
+        self
+    }
+
+    /// Fails if the group belongs to a membership of the job that a checkpoint ended.
+    #[inline]
+    pub(crate) fn live(&self) -> Result<()> {
+        match &self.core.fence {
+            Some((m, number)) if m.current() != *number => Err(Error::StaleGroup),
+            _ => Ok(()),
+        }
     }
 
     /// The same new group, knowing the node of each endpoint, so that its errors say
@@ -177,11 +221,14 @@ impl AsyncGroup {
             index: c.index.clone(),
             timeout,
             nodes: c.nodes.clone(),
+            fence: c.fence.clone(),
         };
         Self { core: Arc::new(core), timed: true }
     }
 
+    /// The endpoint of group rank `r`; every operation that addresses a member asks.
     fn member(&self, r: usize) -> Result<Rank> {
+        self.live()?;
         self.core.members.get(r).copied().ok_or(Error::InvalidRank { rank: r, size: self.size() })
     }
 
@@ -234,7 +281,10 @@ impl AsyncGroup {
     fn pattern(&self, src: Option<usize>, tag: TagMatch) -> Result<Pattern> {
         let src = match src {
             Some(s) => SrcMatch::Rank(self.member(s)?),
-            None => SrcMatch::Any,
+            None => {
+                self.live()?;
+                SrcMatch::Any
+            }
         };
         Ok(Pattern { ctx: self.core.ctx, src, tag })
     }
@@ -265,14 +315,15 @@ impl AsyncGroup {
 
     /// Receives an application message on this thread, without a future (see
     /// [`crate::blocking::recv_here`]): the blocking receive's path. With `into`, a
-    /// payload of its length may land there directly: the answer is then `None`.
+    /// payload of its length may land there directly: the answer is then `None`, else
+    /// the message.
     fn recv_here(
         &self,
         src: Option<usize>,
         tag: Option<u32>,
         spin: Duration,
         into: Option<&mut [u8]>,
-    ) -> Result<(Option<Bytes>, Status)> {
+    ) -> Result<(Option<Envelope>, Status)> {
         let tag = match tag {
             Some(t) => TagMatch::Tag(Self::user_tag(t)?),
             None => TagMatch::Any,
@@ -289,7 +340,7 @@ impl AsyncGroup {
                 };
                 let len = if landed { lent } else { env.payload.len() };
                 let st = Status { source, tag: env.tag.0, len };
-                Ok(((!landed).then_some(env.payload), st))
+                Ok(((!landed).then_some(env), st))
             }
             Some(Err(e)) => Err(self.located(e.into())),
             None => Err(TransportError::Timeout { what: self.waited_for(&pattern), after: core.timeout }.into()),
@@ -565,11 +616,28 @@ impl Group {
 
     /// Sends a slice of plain-old-data elements to group rank `dst` with `tag`.
     ///
+    /// ```no_run
+    /// # fn main() -> ductile::Result<()> {
+    /// let session = ductile::init()?;
+    /// session.world().send(0, 1, &[1u8, 2, 3])?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Elements of size zero carry no data: sending or receiving them does not compile.
+    ///
+    /// ```compile_fail
+    /// # fn main() -> ductile::Result<()> {
+    /// let session = ductile::init()?;
+    /// session.world().send(0, 1, &[(), (), ()])?;
+    /// # Ok(()) }
+    /// ```
+    ///
     /// # Local
     ///
     /// # Errors
     /// Bad rank or tag, or a transport error naming the peer.
     pub fn send<T: Pod>(&self, dst: usize, tag: u32, data: &[T]) -> Result<()> {
+        pod::sized::<T>();
         // A message that leaves at once is sent from `data` itself, without a copy.
         if self.inner.send_now(dst, tag, bytemuck::cast_slice(data))? {
             return Ok(());
@@ -680,13 +748,20 @@ impl Group {
     /// # Local
     ///
     /// # Errors
-    /// As [`Group::recv`], or a length mismatch.
+    /// As [`Group::recv`], or the first message that matches has another length
+    /// ([`Error::LengthMismatch`], or [`Error::Misaligned`] if it is no whole number of
+    /// elements). That message is not lost: it stays first in line, for a receive that
+    /// takes any length ([`Group::recv`], [`Group::recv_bytes`]).
     pub fn recv_into<T: Pod>(&self, src: Option<usize>, tag: Option<u32>, out: &mut [T]) -> Result<Status> {
+        pod::sized::<T>();
         // A payload of `out`'s size may be copied straight into it by the transport
         // (no buffer of its own); any other comes as bytes, checked here.
-        let (b, st) = self.inner.recv_here(src, tag, self.spin, Some(bytemuck::cast_slice_mut::<T, u8>(out)))?;
-        if let Some(b) = b {
-            pod::bytes_into(&b, out, st.source, "recv_into")?;
+        let (env, st) = self.inner.recv_here(src, tag, self.spin, Some(bytemuck::cast_slice_mut::<T, u8>(out)))?;
+        if let Some(env) = env {
+            if let Err(e) = pod::bytes_into(&env.payload, out, st.source, "recv_into") {
+                self.inner.core.endpoint.mailbox().give_back(env);
+                return Err(e);
+            }
         }
         Ok(st)
     }
@@ -698,8 +773,8 @@ impl Group {
     /// # Errors
     /// As [`Group::recv`].
     pub fn recv_bytes(&self, src: Option<usize>, tag: Option<u32>) -> Result<(Bytes, Status)> {
-        let (b, st) = self.inner.recv_here(src, tag, self.spin, None)?;
-        Ok((b.unwrap_or_default(), st))
+        let (env, st) = self.inner.recv_here(src, tag, self.spin, None)?;
+        Ok((env.map(|e| e.payload).unwrap_or_default(), st))
     }
 
     /// Receives a serde value.

@@ -4,6 +4,19 @@ use crate::error::{Error, Result};
 use bytemuck::Pod;
 use bytes::Bytes;
 
+/// Refuses zero-sized element types (`()`, empty structs), at compile time: they carry
+/// no bytes, so a payload could not say how many elements it held, and bytemuck's casts
+/// of them panic. The functions of this module that handle elements call it, and so do
+/// the group's calls that cast elements themselves.
+pub(crate) const fn sized<T>() {
+    const {
+        assert!(
+            std::mem::size_of::<T>() != 0,
+            "ductile sends and receives elements of nonzero size only (this one carries no data)"
+        );
+    }
+}
+
 /// A `Vec<T>` viewed as bytes, so an owned vector becomes a payload without a copy.
 struct PodVec<T>(Vec<T>);
 
@@ -15,6 +28,7 @@ impl<T: Pod> AsRef<[u8]> for PodVec<T> {
 
 /// An owned vector as a payload, without copying.
 pub(crate) fn vec_to_bytes<T: Pod + Send + Sync>(v: Vec<T>) -> Bytes {
+    sized::<T>();
     if v.is_empty() {
         return Bytes::new();
     }
@@ -23,15 +37,14 @@ pub(crate) fn vec_to_bytes<T: Pod + Send + Sync>(v: Vec<T>) -> Bytes {
 
 /// A slice as a payload (one copy).
 pub(crate) fn slice_to_bytes<T: Pod>(s: &[T]) -> Bytes {
+    sized::<T>();
     Bytes::copy_from_slice(bytemuck::cast_slice(s))
 }
 
 /// Number of `T` elements in a payload from group rank `src`.
 pub(crate) fn count_of<T: Pod>(b: &[u8], src: usize) -> Result<usize> {
+    sized::<T>();
     let elem = std::mem::size_of::<T>();
-    if elem == 0 {
-        return Ok(0);
-    }
     if !b.len().is_multiple_of(elem) {
         return Err(Error::Misaligned { len: b.len(), elem, src });
     }

@@ -212,6 +212,11 @@ impl Registry {
     pub(crate) fn block<T: Pod>(&self, name: &str) -> Result<&[T]> {
         let i = self.typed::<T>(name)?;
         let bytes = self.moving[i].as_deref().unwrap_or_else(|| self.blocks[i].bytes());
+        if bytes.is_empty() {
+            // An empty block has no storage, and its dangling address is aligned to
+            // 8 bytes only: an element type aligned to more would not cast.
+            return Ok(&[]);
+        }
         // Heap blocks start cache-line aligned; blocks in mappings start at the array's byte
         // offset within a page, a multiple of the element's size and so of its alignment.
         bytemuck::try_cast_slice(bytes).map_err(|e| Error::Invalid(format!("{name:?}: {e}")))
@@ -224,7 +229,11 @@ impl Registry {
                 "{name:?} is constant and moving in the background; it cannot be written until the change completes"
             )));
         }
-        Ok(bytemuck::cast_slice_mut(self.blocks[i].bytes_mut()))
+        let bytes = self.blocks[i].bytes_mut();
+        if bytes.is_empty() {
+            return Ok(&mut []);
+        }
+        bytemuck::try_cast_slice_mut(bytes).map_err(|e| Error::Invalid(format!("{name:?}: {e}")))
     }
 
     /// How distributed item `name`'s data moved at its last change; `None` before its
@@ -587,6 +596,22 @@ mod tests {
         }
         let err = r.distribute::<Wide>("too wide", 1, (0, 1), &[Wide([0; 16])], How::default()).unwrap_err();
         assert!(err.to_string().contains("alignment 128"), "{err}");
+        // An empty block with no storage (what a move leaves a member that holds
+        // nothing afterwards: its address dangles, aligned to 8 bytes only) is viewed
+        // as empty, however its element type is aligned.
+        for name in ["none here", "none here either"] {
+            if name == "none here" {
+                r.distribute::<Line>(name, 2, (0, 3), &[], How::default()).unwrap();
+            } else {
+                r.distribute::<u128>(name, 2, (0, 3), &[], How::default()).unwrap();
+            }
+            let i = r.find(name).unwrap();
+            r.blocks[i] = Aligned::default();
+        }
+        assert!(r.block::<Line>("none here").unwrap().is_empty());
+        assert!(r.block_mut::<Line>("none here").unwrap().is_empty());
+        assert!(r.block::<u128>("none here either").unwrap().is_empty());
+        assert!(r.block_mut::<u128>("none here either").unwrap().is_empty());
     }
 
     #[test]

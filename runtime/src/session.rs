@@ -6,7 +6,7 @@ use crate::bootstrap::{
 };
 use crate::env::EnvSettings;
 use crate::error::{Error, Result};
-use crate::group::{AsyncGroup, Group};
+use crate::group::{AsyncGroup, Group, Memberships};
 use crate::pset::ProcessSet;
 use crate::redistribute::Method;
 use crate::reduce::ReduceOp;
@@ -50,6 +50,8 @@ pub struct JobInfo {
 /// [`Session::finalize`].
 pub struct Session {
     world: Group,
+    /// The memberships this process has had (see [`Memberships`]).
+    memberships: Memberships,
     spin: Duration,
     timeout: Duration,
     info: JobInfo,
@@ -393,7 +395,8 @@ impl Session {
     ) -> Result<Self> {
         let timeout = Duration::from_millis(h.timeout_ms);
         let spin = env.spin_for(endpoint.transport().capabilities());
-        let world = Self::world_of(&rt, spin, &endpoint, &membership, timeout)?;
+        let memberships = Memberships::default();
+        let world = Self::world_of(&rt, spin, &endpoint, &membership, timeout, &memberships)?;
         let info = JobInfo {
             job: h.job,
             node: h.node,
@@ -409,6 +412,7 @@ impl Session {
         };
         Ok(Self {
             world,
+            memberships,
             spin,
             timeout,
             info,
@@ -434,14 +438,24 @@ impl Session {
         })
     }
 
-    fn world_of(rt: &Runtime, spin: Duration, ep: &Endpoint, m: &Membership, timeout: Duration) -> Result<Group> {
+    /// The world's group of membership `m`, which begins a new membership of the
+    /// session: the groups of earlier ones are stale from now on.
+    fn world_of(
+        rt: &Runtime,
+        spin: Duration,
+        ep: &Endpoint,
+        m: &Membership,
+        timeout: Duration,
+        memberships: &Memberships,
+    ) -> Result<Group> {
+        let number = memberships.advance();
         let me = ep.rank();
         let pos =
             m.ranks.iter().position(|r| *r == me).ok_or_else(|| {
                 Error::Bootstrap(format!("this process ({me}) is not in the membership it was given"))
             })?;
         let g = AsyncGroup::new(ep.clone(), world_context(m.epoch), m.ranks.clone(), pos, timeout)?;
-        Ok(Group::new(g.placed(placement([m])), rt.handle().clone(), spin))
+        Ok(Group::new(g.placed(placement([m])).fenced(memberships, number), rt.handle().clone(), spin))
     }
 
     /// The Tokio runtime that drives this session's transport and timers: where
@@ -459,10 +473,15 @@ impl Session {
     }
 
     fn in_group(&self) -> Result<()> {
+        self.not_released()?;
+        self.intact()
+    }
+
+    fn not_released(&self) -> Result<()> {
         if self.released {
             return Err(Error::Invalid("this process was released at a checkpoint; call finalize".into()));
         }
-        self.intact()
+        Ok(())
     }
 
     /// Fails once a checkpoint has failed: the group and the registered blocks may be
@@ -494,7 +513,9 @@ impl Session {
         e
     }
 
-    /// The group of every process in the job (in the current membership).
+    /// The group of every process in the job (in the current membership). A copy kept
+    /// past a checkpoint that changed the membership refuses to address its members
+    /// ([`Error::StaleGroup`]): take the world again after each checkpoint.
     #[must_use]
     pub fn world(&self) -> &Group {
         &self.world
@@ -779,11 +800,13 @@ impl Session {
         self.last_change = Some((c.seq, resize.added.iter().map(|&a| a as u32).collect(), removed));
         if resize.new_rank.is_none() {
             self.released = true;
+            // Its world is the old one's, stale now.
+            self.memberships.advance();
             tracing::debug!("{me} released at epoch {epoch}");
             return Ok(Checkpoint::Released(resize));
         }
         let rt = self.rt.as_ref().ok_or(Error::Invalid("session is closed".into()))?;
-        self.world = Self::world_of(rt, self.spin, &self.endpoint, &c.after, self.timeout)?;
+        self.world = Self::world_of(rt, self.spin, &self.endpoint, &c.after, self.timeout, &self.memberships)?;
         self.info.nodes = node_count(&c.after);
         self.membership = c.after;
         if resize.new_rank == Some(0) {
@@ -835,8 +858,10 @@ impl Session {
     /// the set's epoch and ranks.
     ///
     /// # Errors
-    /// The set is of another epoch, or this process is not in it.
+    /// The set is of another epoch, or this process is not in it (or no longer in the
+    /// job: it was released at a checkpoint).
     pub fn group(&self, set: &ProcessSet) -> Result<Group> {
+        self.not_released()?;
         if set.epoch() != self.membership.epoch {
             return Err(Error::Invalid(format!("{set} is not of the current membership")));
         }
@@ -851,7 +876,8 @@ impl Session {
             .position(|r| r == me)
             .ok_or_else(|| Error::Invalid(format!("this process (rank {me}) is not in {set}")))?;
         let g = AsyncGroup::new(self.endpoint.clone(), set_context(set), members, pos, self.timeout)?;
-        Ok(Group::new(g.placed(placement([&self.membership])), self.handle()?, self.spin))
+        let g = g.placed(placement([&self.membership])).fenced(&self.memberships, self.memberships.current());
+        Ok(Group::new(g, self.handle()?, self.spin))
     }
 
     /// The address this process's endpoint listens on (for diagnostics and tests).

@@ -97,7 +97,7 @@ impl Session {
         endpoint.transport().set_peers(&m.addrs)?;
         let timeout = Duration::from_millis(h.timeout_ms.max(1));
         control.set_read_timeout(Some(timeout)).map_err(|e| Error::Bootstrap(e.to_string()))?;
-        self.world = Self::world_of(rt, self.spin, &endpoint, &m, timeout)?;
+        self.world = Self::world_of(rt, self.spin, &endpoint, &m, timeout, &self.memberships)?;
         self.info = crate::JobInfo {
             job: h.job,
             node: h.node,

@@ -126,10 +126,11 @@ impl Session {
     /// # Local
     ///
     /// # Errors
-    /// No such item, it holds another type, or a checkpoint failed (its block may be
-    /// half-way through a change).
+    /// No such item, it holds another type, this process was released at a checkpoint
+    /// (it holds no block), or a checkpoint failed (its block may be half-way through a
+    /// change).
     pub fn block<T: Pod>(&self, name: &str) -> Result<&[T]> {
-        self.intact()?;
+        self.in_group()?;
         self.registry.block(name)
     }
 
@@ -140,7 +141,7 @@ impl Session {
     /// # Errors
     /// As [`Session::block`].
     pub fn block_mut<T: Pod>(&mut self, name: &str) -> Result<&mut [T]> {
-        self.intact()?;
+        self.in_group()?;
         self.registry.block_mut(name)
     }
 
@@ -149,8 +150,9 @@ impl Session {
     /// # Local
     ///
     /// # Errors
-    /// No such item.
+    /// No such item, or this process was released at a checkpoint (it holds none).
     pub fn block_range(&self, name: &str) -> Result<std::ops::Range<u64>> {
+        self.in_group()?;
         let n = self.registry.global_len(name)?;
         Ok(ductile_redistrib::block_range(n, self.world.size() as u32, self.world.rank() as u32))
     }
