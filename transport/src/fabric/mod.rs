@@ -196,15 +196,25 @@ fn find(provider: Option<&str>, host: &str) -> Result<Info, OfiError> {
 /// until the process ends, which a failed bind soon makes a rank do (a process that
 /// carried on and called libfabric again might wait behind the probe).
 fn find_within(provider: Option<&str>, host: &str, limit: std::time::Duration) -> Option<Result<Info, OfiError>> {
-    let (tx, rx) = std::sync::mpsc::channel();
     let (p, h) = (provider.map(str::to_owned), host.to_owned());
-    let span = tracing::Span::current();
-    let probe = move || {
+    within(limit, move || find(p.as_deref(), &h))
+}
+
+/// `work`'s result if it comes within `limit`, run on a thread of its own (inline if
+/// no thread can be started); `None` past the limit, the thread left to finish.
+fn within<T: Send + 'static>(limit: std::time::Duration, work: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    // Shared, so that a failed spawn (which drops its closure) still leaves the work.
+    let work = Arc::new(Mutex::new(Some(work)));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (on_thread, span) = (Arc::clone(&work), tracing::Span::current());
+    let run = move || {
         let _in = span.enter();
-        let _ = tx.send(find(p.as_deref(), &h));
+        if let Some(w) = lock(&on_thread).take() {
+            let _ = tx.send(w());
+        }
     };
-    if std::thread::Builder::new().name("ductile-fi-probe".into()).spawn(probe).is_err() {
-        return Some(find(provider, host));
+    if std::thread::Builder::new().name("ductile-fi-probe".into()).spawn(run).is_err() {
+        return lock(&work).take().map(|w| w());
     }
     rx.recv_timeout(limit).ok()
 }
@@ -538,11 +548,19 @@ mod tests {
 
     #[test]
     fn probing_providers_is_bounded_and_the_choice_explained() {
-        // fi_getinfo takes far longer than a nanosecond (it loads providers, reads
-        // /proc/kallsyms); with time it finds shm.
+        use std::time::Duration;
+        // A probe that does not come back in time is given up (timing fi_getinfo
+        // itself against a tiny limit would race: warm, it can answer in microseconds).
+        let (release, stuck) = std::sync::mpsc::channel::<()>();
+        let started = std::time::Instant::now();
+        let gave_up = within(Duration::from_millis(20), move || stuck.recv_timeout(Duration::from_secs(30)));
+        assert!(gave_up.is_none());
+        assert!(started.elapsed() < Duration::from_secs(10), "the caller does not wait for the probe");
+        drop(release);
+        assert_eq!(within(Duration::from_secs(60), || 7), Some(7));
+        // With time, the real probe finds shm.
         sys::load().expect("libfabric is installed");
-        assert!(find_within(Some("shm"), "127.0.0.1", std::time::Duration::from_nanos(1)).is_none());
-        let found = find_within(Some("shm"), "127.0.0.1", std::time::Duration::from_secs(60));
+        let found = find_within(Some("shm"), "127.0.0.1", Duration::from_secs(60));
         assert_eq!(found.expect("within a minute").expect("shm is offered").attrs().provider, "shm");
         assert_eq!(why_chosen(Some("shm"), Some("tcp")), "asked for by name (shm)");
         assert!(why_chosen(None, Some("^psm3")).contains("FI_PROVIDER=^psm3"));
