@@ -13,6 +13,16 @@
 //! Every collective must be called by all members in the same order (`# Collective`).
 //! Runtime tags keep collective traffic apart from application messages; messages
 //! between two ranks arrive in order, so successive collectives never mix.
+//!
+//! Arguments that disagree across members (lengths, roots) are a program error, as in
+//! MPI. Where a rank can see it, it fails with [`Error::LengthMismatch`]; where ranks
+//! chose different algorithms from their own sizes (allreduce's ring or doubling), they
+//! wait for messages that never come and fail with a timeout naming the peer. After
+//! such a failure the group's collectives are out of step (messages of the failed call
+//! may be matched by the next one), and so are those of any group built from the same
+//! process set (which shares its context): treat the error as fatal. Sequence numbers
+//! in the tags would not help, for groups of the same set built independently would
+//! count differently.
 
 use crate::error::{Error, Result};
 use crate::group::{AsyncGroup, Group};
