@@ -135,6 +135,11 @@ fn bad_command_lines_get_one_clear_line() {
         (&["run", "--report", "/tmp", "--", "true"], "cannot write the report to /tmp: it is a directory"),
         (&["run", "-n", "2", "--adopt", "/tmp/s", "--adopt-pid", "1", "--", "true"], "--adopt needs a job of one"),
         (&["run", "-n", "1", "--adopt", "/tmp/s", "--", "true"], "--adopt-pid <PID>"),
+        // Huge counts are refused before anything is built or walked per node.
+        (&["run", "-n", "4294967295", "--slots", "1,1", "--", "true"], "4294967295 ranks or nodes: more than"),
+        (&["run", "-n", "1", "--max-nodes", "4294967295", "--", "true"], "--max-nodes asks for 4294967295 nodes"),
+        (&["run", "-n", "1", "--policy", "steps:1,4000000000", "--", "true"], "--policy asks for 4000000000 nodes"),
+        (&["run", "-n", "4", "--slots", "5000", "--", "true"], "a pool of 1 nodes has 5000 slots"),
     ];
     for (args, want) in cases {
         let out = run(args);
@@ -144,14 +149,27 @@ fn bad_command_lines_get_one_clear_line() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
     let slurm = [("SLURM_JOB_NODELIST", "n[1-"), ("SLURM_TASKS_PER_NODE", "2")];
-    for (vars, want) in [(&slurm[..0], "--slurm needs a Slurm allocation"), (&slurm[..], "a `[` without its `]`")] {
+    let overflow = [("SLURM_JOB_NODELIST", "n[1-2]"), ("SLURM_TASKS_PER_NODE", "1,1(x18446744073709551615)")];
+    for (vars, want) in [
+        (&slurm[..0], "--slurm needs a Slurm allocation"),
+        (&slurm[..], "a `[` without its `]`"),
+        (&overflow[..], "more than 65536 counts"),
+    ] {
         let mut c = ductile(&["run", "--slurm", "--", "true"]);
         c.env_remove("SLURM_JOB_NODELIST").env_remove("SLURM_TASKS_PER_NODE").envs(vars.iter().copied());
         let out = c.output().expect("start ductile");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.lines().count() == 1 && err.contains(want), "{vars:?}: {err}");
     }
-    for (var, value) in [("DUCTILE_SPIN_US", "x"), ("DUCTILE_BACKGROUND_SHARE", "2"), ("DUCTILE_HUGE_PAGES", "yes")] {
+    let env_cases = [
+        ("DUCTILE_SPIN_US", "x"),
+        ("DUCTILE_SPIN_US", "18446744073709551615"),
+        ("DUCTILE_BACKGROUND_SHARE", "2"),
+        ("DUCTILE_HUGE_PAGES", "yes"),
+        ("DUCTILE_THREADS", "100000000"),
+        ("DUCTILE_TIMEOUT", "0"),
+    ];
+    for (var, value) in env_cases {
         let out = ductile(&["run", "-n", "2", "--", "true"]).env(var, value).output().expect("start ductile");
         assert!(!out.status.success(), "{var}={value} succeeded");
         let err = String::from_utf8_lossy(&out.stderr);

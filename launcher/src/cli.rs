@@ -321,6 +321,15 @@ impl RunArgs {
             _ => 1,
         };
         let max = self.max_nodes.or(pool.as_ref().map(|h| h.len() as u32)).unwrap_or(initial.max(steps_max));
+        // Before anything is built per node: every node holds at least one rank.
+        if max.max(steps_max) > layout::MAX_RANKS {
+            let what = if steps_max > layout::MAX_RANKS { "--policy" } else { "--max-nodes" };
+            return Err(format!(
+                "{what} asks for {} nodes, more than the limit of {}",
+                max.max(steps_max),
+                layout::MAX_RANKS
+            ));
+        }
         if initial > max {
             return Err(format!("the job starts on {initial} nodes, above --max-nodes {max}"));
         }
@@ -344,8 +353,12 @@ impl RunArgs {
         let slots: Vec<u32> = (0..max as usize)
             .map(|i| layout.nodes.get(i).map_or_else(|| layout::slots_of(&slot_list, i), |n| n.slots))
             .collect();
-        if u64::from(max) * u64::from(slots.iter().copied().max().unwrap_or(1)) > u64::from(layout::MAX_RANKS) {
-            return Err(format!("a pool of {max} nodes exceeds the limit of {} ranks", layout::MAX_RANKS));
+        let pool_slots: u64 = slots.iter().copied().map(u64::from).sum();
+        if pool_slots > u64::from(layout::MAX_RANKS) {
+            return Err(format!(
+                "a pool of {max} nodes has {pool_slots} slots, more than the limit of {} ranks",
+                layout::MAX_RANKS
+            ));
         }
         self.check_transport(pool.as_deref())?;
         let adopt = match (self.adopt, self.adopt_pid) {

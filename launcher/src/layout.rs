@@ -15,7 +15,7 @@ use std::ops::Range;
 
 /// Slots per node when only `-n` is given.
 pub const DEFAULT_SLOTS: u32 = 4;
-/// Most ranks one job may start on simulated local nodes.
+/// Most ranks (and so nodes) one job may have.
 pub const MAX_RANKS: u32 = 4096;
 
 /// One node's share of the job.
@@ -77,7 +77,7 @@ pub enum LayoutError {
         slots: u32,
     },
     /// Past the launcher's limit.
-    #[error("{0} ranks is more than the limit of {MAX_RANKS} on simulated local nodes")]
+    #[error("{0} ranks or nodes: more than the launcher's limit of {MAX_RANKS}")]
     OverLimit(u64),
 }
 
@@ -153,22 +153,32 @@ pub fn plan_slots(n: Option<u32>, nodes: Option<u32>, slots: &[u32]) -> Result<L
     if slots.contains(&0) {
         return Err(LayoutError::Zero("--slots"));
     }
+    // Every count is checked against the limit before any walk over nodes: a node
+    // holds at least one rank, so the walks below stay within MAX_RANKS steps.
+    for c in [n, nodes].into_iter().flatten() {
+        if c > MAX_RANKS {
+            return Err(LayoutError::OverLimit(u64::from(c)));
+        }
+    }
     let cap = |m: u32| -> u64 { (0..m as usize).map(|i| u64::from(slots_of(slots, i))).sum() };
     let m = match (n, nodes) {
         (_, Some(m)) => m,
         (None, None) => 1,
-        (Some(n), None) => (1..=n).find(|&m| cap(m) >= u64::from(n)).unwrap_or(n),
+        // As few nodes as hold n ranks: a running sum of the slots.
+        (Some(n), None) => {
+            let mut held = 0u64;
+            (1..=n)
+                .find(|&m| {
+                    held += u64::from(slots_of(slots, m as usize - 1));
+                    held >= u64::from(n)
+                })
+                .unwrap_or(n)
+        }
     };
-    if m > MAX_RANKS {
-        return Err(LayoutError::OverLimit(u64::from(m)));
-    }
     let n = match n {
         Some(n) => n,
         None => u32::try_from(cap(m)).ok().filter(|&t| t <= MAX_RANKS).ok_or(LayoutError::OverLimit(cap(m)))?,
     };
-    if n > MAX_RANKS {
-        return Err(LayoutError::OverLimit(u64::from(n)));
-    }
     if n < m {
         return Err(LayoutError::FewerRanksThanNodes { n, nodes: m });
     }
@@ -221,6 +231,12 @@ mod tests {
         assert_eq!(plan(Some(9), Some(2), Some(4)), Err(LayoutError::TooManyRanks { n: 9, nodes: 2, slots: 4 }));
         assert!(matches!(plan(Some(MAX_RANKS + 1), None, None), Err(LayoutError::OverLimit(_))));
         assert!(matches!(plan(None, Some(u32::MAX), Some(u32::MAX)), Err(LayoutError::OverLimit(_))));
+        // Huge counts with a list of slots are refused before any walk over nodes
+        // (which took minutes for -n u32::MAX).
+        for (n, nodes) in [(Some(u32::MAX), None), (Some(MAX_RANKS + 1), None), (Some(2), Some(u32::MAX))] {
+            assert!(matches!(plan_slots(n, nodes, &[1, 1]), Err(LayoutError::OverLimit(_))), "{n:?} {nodes:?}");
+        }
+        assert_eq!(counts(&plan_slots(Some(MAX_RANKS), None, &[1, 1]).unwrap()).len(), MAX_RANKS as usize);
     }
 
     #[test]

@@ -137,9 +137,13 @@ pub fn expand_counts(text: &str) -> Result<Vec<u32>, String> {
             Some((c, rest)) => (c, rest.strip_suffix(')').ok_or_else(|| format!("`{part}` lacks its `)`"))?),
             None => (part, "1"),
         };
-        let count: u32 = count.parse().ok().filter(|&c| c > 0).ok_or_else(|| format!("`{count}` is not a count"))?;
+        let count: u32 = count
+            .parse()
+            .ok()
+            .filter(|c| (1..=crate::hosts::MAX_SLOTS).contains(c))
+            .ok_or_else(|| format!("`{count}` is not a count (1 to {})", crate::hosts::MAX_SLOTS))?;
         let times: usize = times.parse().ok().filter(|&t| t > 0).ok_or_else(|| format!("`{times}` is not a repeat"))?;
-        if out.len() + times > MAX_HOSTS {
+        if times > MAX_HOSTS - out.len() {
             return Err(format!("more than {MAX_HOSTS} counts"));
         }
         out.extend(std::iter::repeat_n(count, times));
@@ -207,7 +211,12 @@ mod tests {
     fn counts_expand_their_repeats() {
         assert_eq!(expand_counts("4").unwrap(), [4]);
         assert_eq!(expand_counts("2(x3),1").unwrap(), [2, 2, 2, 1]);
-        for bad in ["", "0", "2(x0)", "2(x3", "x", "2(y3)", "-1", "4294967296"] {
+        let huge = [
+            "1,1(x18446744073709551615)", // a repeat that overflowed the running count
+            "1(x65536),1",
+            "100000", // more than a host's slots
+        ];
+        for bad in ["", "0", "2(x0)", "2(x3", "x", "2(y3)", "-1", "4294967296"].into_iter().chain(huge) {
             assert!(expand_counts(bad).is_err(), "{bad:?}");
         }
     }

@@ -246,13 +246,27 @@ pub enum FromRank {
 pub enum ControlError {
     /// The channel failed or closed.
     #[error("control channel: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
     /// A message larger than [`MAX_CONTROL_MSG`].
     #[error("control message of {0} bytes exceeds the limit")]
     TooLarge(u32),
     /// A message that did not decode.
     #[error("control message does not decode: {0}")]
-    Decode(#[from] postcard::Error),
+    Decode(postcard::Error),
+}
+
+// By hand rather than with `#[from]`, which would also make the cause the error's
+// source: the message already says it, and `{:#}` printed it twice ("early eof: early eof").
+impl From<std::io::Error> for ControlError {
+    fn from(e: std::io::Error) -> Self {
+        Self::Io(e)
+    }
+}
+
+impl From<postcard::Error> for ControlError {
+    fn from(e: postcard::Error) -> Self {
+        Self::Decode(e)
+    }
 }
 
 /// Encodes a control message with its length prefix.

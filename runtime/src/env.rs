@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | `DUCTILE_LOG` | `tracing` filter for the runtime's logs | `warn` |
 //! | `DUCTILE_SPIN_US` | how long a blocking wait spins before parking, µs | [`DEFAULT_SPIN_US`] with tcp and fabric, [`UNPOLLED_SPIN_US`] with quic (and the in-process mem backend) |
-//! | `DUCTILE_THREADS` | progress threads per process | [`DEFAULT_THREADS`] |
+//! | `DUCTILE_THREADS` | progress threads per process, 1 to [`MAX_THREADS`] | [`DEFAULT_THREADS`] |
 //! | `DUCTILE_TIMEOUT` | timeout of every wait of a standalone process, s (launched ranks get theirs from the launcher) | [`DEFAULT_TIMEOUT_SECS`] |
 //! | `DUCTILE_BACKGROUND_SHARE` | share of the time a background redistribution may keep the processes busy, in (0, 1]; 1 moves at full speed | [`DEFAULT_BACKGROUND_SHARE`] |
 //! | `DUCTILE_HUGE_PAGES` | `1`: new blocks of registered data of 32 MiB and more get transparent huge pages when the kernel has them free (see `block`) | `0` |
@@ -32,8 +32,13 @@ pub const UNPOLLED_SPIN_US: u64 = 100;
 pub const DEFAULT_BACKGROUND_SHARE: f64 = 0.15;
 /// Default number of progress threads.
 pub const DEFAULT_THREADS: usize = 1;
+/// Most progress threads per process: each has a stack, and a rank needs few.
+pub const MAX_THREADS: usize = 1024;
 /// Default timeout of every wait, seconds.
 pub const DEFAULT_TIMEOUT_SECS: u64 = 300;
+/// Most seconds `DUCTILE_TIMEOUT` (and microseconds `DUCTILE_SPIN_US`) take: a year,
+/// so that deadlines computed from them stay far from the clock's limits.
+pub const MAX_SECS: u64 = 366 * 24 * 3600;
 
 /// Settings read from the environment.
 #[derive(Clone, Debug)]
@@ -73,18 +78,26 @@ impl EnvSettings {
     /// A variable that is set but does not parse, named in the message.
     pub fn from_env() -> Result<Self, String> {
         let threads = parse::<usize>("DUCTILE_THREADS")?.unwrap_or(DEFAULT_THREADS);
-        if threads == 0 {
-            return Err("DUCTILE_THREADS must be at least 1".into());
+        if !(1..=MAX_THREADS).contains(&threads) {
+            return Err(format!("DUCTILE_THREADS must be from 1 to {MAX_THREADS}, not {threads}"));
         }
         let background_share = parse::<f64>("DUCTILE_BACKGROUND_SHARE")?.unwrap_or(DEFAULT_BACKGROUND_SHARE);
         if !(background_share > 0.0 && background_share <= 1.0) {
             return Err(format!("DUCTILE_BACKGROUND_SHARE must be in (0, 1], not {background_share}"));
         }
+        let timeout = parse::<u64>("DUCTILE_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT_SECS);
+        if !(1..=MAX_SECS).contains(&timeout) {
+            return Err(format!("DUCTILE_TIMEOUT must be from 1 to {MAX_SECS} seconds, not {timeout}"));
+        }
+        let spin = parse::<u64>("DUCTILE_SPIN_US")?;
+        if let Some(us) = spin.filter(|&us| us > MAX_SECS) {
+            return Err(format!("DUCTILE_SPIN_US must be at most {MAX_SECS} µs, not {us}"));
+        }
         Ok(Self {
             background_share,
-            spin: parse("DUCTILE_SPIN_US")?.map(Duration::from_micros),
+            spin: spin.map(Duration::from_micros),
             threads,
-            timeout: Duration::from_secs(parse("DUCTILE_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT_SECS)),
+            timeout: Duration::from_secs(timeout),
             control_fd: parse(crate::bootstrap::CONTROL_FD_ENV)?,
             malloc_tuning: parse::<u8>("DUCTILE_MALLOC_TUNING")?.unwrap_or(1) != 0,
             huge_pages: parse::<u8>("DUCTILE_HUGE_PAGES")?.unwrap_or(0) != 0,

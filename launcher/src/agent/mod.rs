@@ -469,7 +469,8 @@ async fn await_ready(
                 }
                 bail!("{id} did not join the job (is it a ductile program?): {e}")
             }
-            Err(_) => bail!("{id} did not join the job within {t:?}"),
+            // `t` is the agent's part of --join-timeout (the controller keeps a margin).
+            Err(_) => bail!("{id} did not join the job within {t:?} (the agent's part of --join-timeout)"),
         }
     }
     Ok(started)
