@@ -16,6 +16,7 @@
 use anyhow::{bail, Context};
 use clap::Parser;
 use ductile::{Checkpoint, Method, Session};
+use std::time::{Duration, Instant};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -82,6 +83,20 @@ fn held_open() -> anyhow::Result<String> {
     let maps = std::fs::read_to_string("/proc/self/maps")?;
     let shm = maps.lines().filter(|l| l.contains("/dev/shm/")).count();
     Ok(format!("{fds} fds, {threads} threads and {shm} shm mappings"))
+}
+
+/// Waits until this process's descriptor count has not changed for 500 ms, 3 s at
+/// most (a leak stays; connections to processes that left close as they end).
+fn settle_fds() -> anyhow::Result<()> {
+    let (step, still, limit) = (Duration::from_millis(50), 10, Instant::now() + Duration::from_secs(3));
+    let (mut last, mut same) = (entries("/proc/self/fd")?, 0);
+    while same < still && Instant::now() < limit {
+        std::thread::sleep(step);
+        let now = entries("/proc/self/fd")?;
+        same = if now == last { same + 1 } else { 0 };
+        last = now;
+    }
+    Ok(())
 }
 
 /// Entries of a directory (of `/proc`).
@@ -357,8 +372,9 @@ fn main() -> anyhow::Result<()> {
                     println!("redist: change {}: {} -> {} processes, data intact", s.epoch(), r.old_size, r.new_size);
                     if args.report_open {
                         if r.new_size < r.old_size {
-                            // The processes that left close their ends as they finalize.
-                            std::thread::sleep(std::time::Duration::from_millis(300));
+                            // The processes that left close their ends as they finalize:
+                            // wait (3 s at most) until nothing has closed for 500 ms.
+                            settle_fds()?;
                         }
                         println!("redist: change {}: rank 0 holds {}", s.epoch(), held_open()?);
                     }

@@ -349,7 +349,8 @@ fn sockets_of_jobs_that_are_gone_are_removed_and_live_ones_kept() {
     let _ = std::fs::remove_file(&live);
     drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
     let listener = std::os::unix::net::UnixListener::bind(&live).unwrap();
-    assert!(stale.exists());
+    // (No check that `stale` exists now: a job of a test running beside this one may
+    // already have swept it.)
     let out = run(&["run", "-n", "1", "--", &ex("hello")]);
     assert!(out.status.success(), "{out:?}");
     assert!(!stale.exists(), "{} was left", stale.display());

@@ -5,6 +5,7 @@
 mod common;
 
 use common::{assert_no_survivors, ductile, ex, read_report, run, tmp};
+use std::time::{Duration, Instant};
 
 /// Node counts (one process each) visiting every ordered pair (NS, NT) of distinct
 /// sizes in {1, 2, 3, 4, 8} exactly once: an Eulerian circuit of the complete directed
@@ -71,15 +72,30 @@ fn run_noting_launcher_fds(args: &[&str], env: &[(&str, &str)]) -> (std::process
         text.push_str(&line);
         text.push('\n');
         if line.contains(" rank 0 holds ") {
-            let fds = std::fs::read_dir(&fd_dir).map_or(0, Iterator::count);
-            text.push_str(&format!("launcher holds {fds} fds\n"));
             // Node 0's agent, there through the circuit: the launcher's first child
             // agent, looked up once, early (released agents become the launcher's too).
             let agent = *agent.get_or_insert_with(|| {
                 first_agent(child.id()).unwrap_or_else(|| panic!("no agent under the launcher: {text}"))
             });
-            let count = |what: &str| std::fs::read_dir(format!("/proc/{agent}/{what}")).map_or(0, Iterator::count);
-            text.push_str(&format!("agent holds {} fds and {} threads\n", count("fd"), count("task")));
+            let count = |dir: &str| std::fs::read_dir(dir).map_or(0, Iterator::count);
+            let (agent_fds, agent_tasks) = (format!("/proc/{agent}/fd"), format!("/proc/{agent}/task"));
+            let sample = || [count(&fd_dir), count(&agent_fds), count(&agent_tasks)];
+            // The least over 500 ms while both live: an agent that left may still be
+            // ending (its end closes the launcher's), while a leak stays; the job's next
+            // growth only adds. The job may end meanwhile (after its last line): an
+            // ended process holds nothing (0), and its samples are not counted.
+            let mut least = sample();
+            let until = Instant::now() + Duration::from_millis(500);
+            while Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(20));
+                let now = sample();
+                if now.contains(&0) {
+                    break;
+                }
+                least = std::array::from_fn(|i| least[i].min(now[i]));
+            }
+            text.push_str(&format!("launcher holds {} fds\n", least[0]));
+            text.push_str(&format!("agent holds {} fds and {} threads\n", least[1], least[2]));
         }
     }
     let status = child.wait().expect("wait for ductile");
@@ -112,7 +128,9 @@ fn pairs(report: &serde_json::Value) -> Vec<(u64, u64)> {
 fn check_every_pair(method: &str, extra: &[&str]) {
     let mut prog = vec!["--report-open"];
     prog.extend(extra);
-    let (report, text) = redist_job_with(method, &[], &prog, &format!("redist-{method}.json"));
+    // Named by the flags too: tests of the same method run at once.
+    let name = format!("redist-{method}{}.json", extra.concat());
+    let (report, text) = redist_job_with(method, &[], &prog, &name);
     let mut want = vec![(1u64, u64::from(CIRCUIT[0]))];
     want.extend(CIRCUIT.windows(2).map(|w| (u64::from(w[0]), u64::from(w[1]))));
     assert_eq!(pairs(&report), want);
@@ -170,7 +188,8 @@ fn rma_moves_every_element_for_every_size_pair() {
 fn check_every_pair_in_background(method: &str, extra: &[&str]) {
     let mut prog = vec!["--background"];
     prog.extend(extra);
-    let (report, text) = redist_job_with(method, &["--background"], &prog, &format!("redist-bg-{method}.json"));
+    let name = format!("redist-bg-{method}{}.json", extra.concat());
+    let (report, text) = redist_job_with(method, &["--background"], &prog, &name);
     let mut want = vec![(1u64, u64::from(CIRCUIT[0]))];
     want.extend(CIRCUIT.windows(2).map(|w| (u64::from(w[0]), u64::from(w[1]))));
     assert_eq!(pairs(&report), want);
