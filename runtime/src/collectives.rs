@@ -674,6 +674,8 @@ mod tests {
                 g.send(1, 4, &[4u32, 5]).unwrap();
                 g.send(1, 4, &[6u8, 7, 8, 9, 10]).unwrap();
                 g.send(1, 4, &[11u32]).unwrap();
+                g.send(1, 6, &[12u32]).unwrap();
+                g.send(1, 5, &[13u32, 14, 15]).unwrap();
             } else {
                 let mut two = [0u32; 2];
                 let err = g.recv_into(Some(0), Some(4), &mut two).unwrap_err();
@@ -691,6 +693,13 @@ mod tests {
                 let mut one = [0u32; 1];
                 assert_eq!(g.recv_into(Some(0), Some(4), &mut one).unwrap().len, 4);
                 assert_eq!(one, [11]);
+                // Refused by a receive of tag 5, the message keeps its place behind an
+                // older one of another tag, for a receive that takes any tag.
+                let err = g.recv_into(Some(0), Some(5), &mut two).unwrap_err();
+                assert!(matches!(err, Error::LengthMismatch { expected: 2, got: 3, src: 0, .. }), "{err}");
+                let (older, st) = g.recv::<u32>(Some(0), None).unwrap();
+                assert_eq!((older, st.tag), (vec![12], 6));
+                assert_eq!(g.recv::<u32>(Some(0), None).unwrap().0, vec![13, 14, 15]);
             }
             g.barrier().unwrap();
         });

@@ -342,6 +342,9 @@ impl AsyncGroup {
                 let st = Status { source, tag: env.tag.0, len };
                 Ok(((!landed).then_some(env), st))
             }
+            // A message of another length than `into`, left in its place: the caller
+            // says what it expected.
+            Some(Err(e @ TransportError::SizeMismatch { .. })) => Err(e.into()),
             Some(Err(e)) => Err(self.located(e.into())),
             None => Err(TransportError::Timeout { what: self.waited_for(&pattern), after: core.timeout }.into()),
         }
@@ -750,18 +753,28 @@ impl Group {
     /// # Errors
     /// As [`Group::recv`], or the first message that matches has another length
     /// ([`Error::LengthMismatch`], or [`Error::Misaligned`] if it is no whole number of
-    /// elements). That message is not lost: it stays first in line, for a receive that
-    /// takes any length ([`Group::recv`], [`Group::recv_bytes`]).
+    /// elements). That message is not lost: it keeps its place in the order of arrival,
+    /// for a receive that takes any length ([`Group::recv`], [`Group::recv_bytes`]).
     pub fn recv_into<T: Pod>(&self, src: Option<usize>, tag: Option<u32>, out: &mut [T]) -> Result<Status> {
         pod::sized::<T>();
         // A payload of `out`'s size may be copied straight into it by the transport
         // (no buffer of its own); any other comes as bytes, checked here.
-        let (env, st) = self.inner.recv_here(src, tag, self.spin, Some(bytemuck::cast_slice_mut::<T, u8>(out)))?;
-        if let Some(env) = env {
-            if let Err(e) = pod::bytes_into(&env.payload, out, st.source, "recv_into") {
-                self.inner.core.endpoint.mailbox().give_back(env);
-                return Err(e);
+        // The transport takes only a message of `out`'s size, and leaves one of another
+        // in its place in the order of arrival.
+        let (env, st) = match self.inner.recv_here(src, tag, self.spin, Some(bytemuck::cast_slice_mut::<T, u8>(out))) {
+            Err(Error::Transport(TransportError::SizeMismatch { peer, got, .. })) => {
+                let src = self.inner.source(peer)?;
+                return Err(pod::length_error::<T>(
+                    usize::try_from(got).unwrap_or(usize::MAX),
+                    out.len(),
+                    src,
+                    "recv_into",
+                ));
             }
+            r => r?,
+        };
+        if let Some(env) = env {
+            pod::bytes_into(&env.payload, out, st.source, "recv_into")?;
         }
         Ok(st)
     }

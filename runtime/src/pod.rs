@@ -43,12 +43,26 @@ pub(crate) fn slice_to_bytes<T: Pod>(s: &[T]) -> Bytes {
 
 /// Number of `T` elements in a payload from group rank `src`.
 pub(crate) fn count_of<T: Pod>(b: &[u8], src: usize) -> Result<usize> {
+    count_in::<T>(b.len(), src)
+}
+
+/// How many `T` fill `len` bytes from group rank `src`.
+fn count_in<T: Pod>(len: usize, src: usize) -> Result<usize> {
     sized::<T>();
     let elem = std::mem::size_of::<T>();
-    if !b.len().is_multiple_of(elem) {
-        return Err(Error::Misaligned { len: b.len(), elem, src });
+    if !len.is_multiple_of(elem) {
+        return Err(Error::Misaligned { len, elem, src });
     }
-    Ok(b.len() / elem)
+    Ok(len / elem)
+}
+
+/// The error for a message of `len` bytes from group rank `src` where `expected`
+/// elements were wanted: not whole elements, or another count.
+pub(crate) fn length_error<T: Pod>(len: usize, expected: usize, src: usize, what: &'static str) -> Error {
+    match count_in::<T>(len, src) {
+        Ok(got) => Error::LengthMismatch { what, expected, got, src },
+        Err(e) => e,
+    }
 }
 
 /// A payload as a vector of `T` (one copy: payload bytes carry no alignment).
@@ -61,9 +75,8 @@ pub(crate) fn bytes_to_vec<T: Pod>(b: &[u8], src: usize) -> Result<Vec<T>> {
 
 /// Copies a payload into `out`, which must have exactly the payload's element count.
 pub(crate) fn bytes_into<T: Pod>(b: &[u8], out: &mut [T], src: usize, what: &'static str) -> Result<()> {
-    let n = count_of::<T>(b, src)?;
-    if n != out.len() {
-        return Err(Error::LengthMismatch { what, expected: out.len(), got: n, src });
+    if b.len() != std::mem::size_of_val(out) {
+        return Err(length_error::<T>(b.len(), out.len(), src, what));
     }
     bytemuck::cast_slice_mut::<T, u8>(out).copy_from_slice(b);
     Ok(())

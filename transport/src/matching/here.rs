@@ -85,6 +85,17 @@ pub(super) fn land(
     true
 }
 
+/// The refusal of `msg` by a receive that lent memory `dest` of another length, if it
+/// is one (a receive that lent none takes any length).
+fn refused(msg: &Message, dest: Dest) -> Option<TransportError> {
+    let (ptr, len) = dest;
+    (!ptr.is_null() && msg.len() != len).then(|| TransportError::SizeMismatch {
+        peer: msg.env.src,
+        expected: len as u64,
+        got: msg.len() as u64,
+    })
+}
+
 /// The envelope to answer a receive with, and whether its payload was copied into the
 /// receive's memory `dest`: a payload that came in pieces and is exactly as long is
 /// (the envelope's payload is then empty); any other is joined if it must be.
@@ -152,18 +163,21 @@ impl Mailbox {
         Ok(self.post_waiting(pattern, waker, NO_DEST)?.map(|(env, _)| env))
     }
 
-    /// As [`Mailbox::post_here`], lending `dest`: a payload of exactly its length that
-    /// this thread delivers with [`Mailbox::deliver_slice`], or that came in pieces
-    /// ([`Mailbox::deliver_pieces`]), is copied into it (see [`WaitHere::landed`]; a
-    /// queued message answers at once with whether it was); any other answer comes as an
-    /// envelope.
+    /// As [`Mailbox::post_here`], lending `dest`, for a message of exactly its length: a
+    /// payload that this thread delivers with [`Mailbox::deliver_slice`], or that came
+    /// in pieces ([`Mailbox::deliver_pieces`]), is copied into it (see
+    /// [`WaitHere::landed`]; a queued message answers at once with whether it was); any
+    /// other comes as an envelope.
     ///
     /// # Safety
     /// The returned wait must be dropped, not leaked (`mem::forget`): until then this
     /// thread may write into `dest`.
     ///
     /// # Errors
-    /// As [`Mailbox::post`].
+    /// As [`Mailbox::post`]; [`TransportError::SizeMismatch`] if the oldest matching
+    /// message is of another length than `dest` (now, or from [`WaitHere::poll`] once
+    /// it arrives). That message is not taken: it keeps its place in the order of
+    /// arrival, for a receive that takes any length.
     pub unsafe fn post_here_into<'a>(
         &'a self,
         pattern: super::Pattern,
@@ -182,6 +196,10 @@ impl Mailbox {
         let id = {
             let mut st = self.lock();
             if let Some(msg) = st.take_queued(&pattern)? {
+                if let Some(refusal) = refused(&msg, dest) {
+                    self.put_back(st, msg);
+                    return Err(refusal);
+                }
                 drop(st);
                 // SAFETY: `dest` is the memory `post_here_into`'s caller lent, borrowed
                 // until it has the answer.
@@ -213,7 +231,9 @@ impl WaitHere<'_> {
     }
 
     /// The message or the receive's error once there; until then, `cx`'s waker is woken
-    /// when another thread answers. Once it returned ready, the receive is over.
+    /// when another thread answers. Once it returned ready, the receive is over. A
+    /// message of another length than the memory lent is refused
+    /// ([`TransportError::SizeMismatch`]) and goes back in its place.
     pub fn poll(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<Envelope, TransportError>> {
         if self.done {
             return Poll::Ready(Err(TransportError::Closed));
@@ -230,6 +250,10 @@ impl WaitHere<'_> {
             },
         };
         self.done = true;
+        if let Some(refusal) = refused(&msg, self.dest).filter(|_| !landed) {
+            self.mailbox.give_back_message(msg);
+            return Poll::Ready(Err(refusal));
+        }
         let (env, landed) = if landed {
             (msg.join(), true)
         } else {
@@ -399,6 +423,46 @@ mod tests {
         assert_eq!(answer(&m, id).unwrap().unwrap().payload, &b"plain"[..]);
     }
 
+    #[test]
+    fn a_message_of_another_length_than_the_lent_memory_keeps_its_place() {
+        let m = Mailbox::new();
+        let (_, waker) = counter();
+        let mut buf = [0u8; 4];
+        let next = |m: &Mailbox| {
+            let Ok(Ok(e)) = m.post_here(pat(Some(1), None), &waker) else { panic!("expected a queued message") };
+            e.payload
+        };
+        // Queued: refused at once, and left behind the older message of another tag.
+        m.deliver(env(1, 6, b"older"));
+        m.deliver(env(1, 5, b"too long"));
+        // SAFETY: the answer is not a wait; nothing is leaked.
+        let refused = unsafe { m.post_here_into(pat(Some(1), Some(5)), &waker, &mut buf) };
+        assert!(matches!(refused, Err(TransportError::SizeMismatch { expected: 4, got: 8, .. })));
+        drop(refused);
+        assert_eq!((next(&m), next(&m)), (Bytes::from_static(b"older"), Bytes::from_static(b"too long")));
+        // Handed over while the receive waits, or kept for it by another thread: refused
+        // when collected, and put back behind the older message.
+        for here in [true, false] {
+            // SAFETY: `w` is dropped before `buf` is used again.
+            let Ok(Err(mut w)) = (unsafe { m.post_here_into(pat(Some(1), Some(5)), &waker, &mut buf) }) else {
+                panic!("expected a posted receive")
+            };
+            m.deliver(env(1, 6, b"older"));
+            if here {
+                m.deliver(env(1, 5, b"too long"));
+            } else {
+                std::thread::scope(|s| s.spawn(|| m.deliver(env(1, 5, b"too long"))).join().unwrap());
+            }
+            assert_eq!(w.arrived(), here);
+            let Poll::Ready(Err(TransportError::SizeMismatch { got: 8, .. })) = w.poll(&mut noop()) else {
+                panic!("expected a refusal")
+            };
+            drop(w);
+            assert_eq!((next(&m), next(&m)), (Bytes::from_static(b"older"), Bytes::from_static(b"too long")));
+        }
+        assert_eq!(m.queued(), 0);
+    }
+
     fn deliver_slice(m: &Mailbox, src: u32, tag: u32, body: &[u8]) {
         m.deliver_slice(crate::ids::Rank(src), crate::ids::Context(0), crate::ids::Tag(tag), body);
     }
@@ -424,7 +488,7 @@ mod tests {
     }
 
     #[test]
-    fn a_lent_payload_of_another_length_or_from_elsewhere_comes_as_bytes() {
+    fn a_lent_payload_of_another_length_is_refused_and_one_from_elsewhere_comes_as_bytes() {
         let m = Arc::new(Mailbox::new());
         let (count, waker) = counter();
         let mut buf = [0u8; 4];
@@ -433,10 +497,12 @@ mod tests {
             panic!("expected a posted receive")
         };
         deliver_slice(&m, 1, 1, b"longer");
-        let Poll::Ready(Ok(e)) = w.poll(&mut noop()) else { panic!("expected the message") };
-        assert!(!w.landed());
-        assert_eq!(e.payload, &b"longer"[..]);
+        let Poll::Ready(Err(TransportError::SizeMismatch { got: 6, .. })) = w.poll(&mut noop()) else {
+            panic!("expected a refusal")
+        };
         drop(w);
+        let Ok(Ok(e)) = m.post_here(pat(Some(1), None), &waker) else { panic!("expected the refused message") };
+        assert_eq!(e.payload, &b"longer"[..]);
         // SAFETY: as above.
         let Ok(Err(mut w)) = (unsafe { m.post_here_into(pat(Some(1), None), &waker, &mut buf) }) else {
             panic!("expected a posted receive")

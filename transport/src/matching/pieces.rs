@@ -91,6 +91,7 @@ mod tests {
     use super::super::tests::{env, pat};
     use super::super::{Posting, PostingInto};
     use super::*;
+    use crate::error::TransportError;
     use crate::ids::{Rank, Tag};
     use crate::landing::Landing;
     use std::task::{Context as TaskContext, Poll, Waker};
@@ -154,14 +155,14 @@ mod tests {
             }
         }
         assert_eq!(&dest, b"abcdefgh");
-        // Memory of another length: joined instead.
+        // Memory of another length: refused, and the message stays for a receive of bytes.
         deliver(&m, 3);
         let mut short = [0u8; 4];
         // SAFETY: as for the first receive.
-        match unsafe { m.post_here_into(pat(Some(1), Some(3)), Waker::noop(), &mut short) }.unwrap() {
-            Ok((e, landed)) => assert!(!landed && e.payload == b"abcdefgh"[..]),
-            Err(_) => panic!("not queued"),
-        };
+        let refused = unsafe { m.post_here_into(pat(Some(1), Some(3)), Waker::noop(), &mut short) };
+        assert!(matches!(refused, Err(TransportError::SizeMismatch { expected: 4, got: 8, .. })));
+        let Ok(Ok(e)) = m.post_here(pat(Some(1), Some(3)), Waker::noop()) else { panic!("not kept") };
+        assert_eq!(&e.payload[..], b"abcdefgh");
     }
 
     #[test]
