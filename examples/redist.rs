@@ -153,10 +153,12 @@ fn stale(g: &ductile::Group) -> anyhow::Result<()> {
 }
 
 /// A released process holds no block: asking for one, of any element type, or for its
-/// range, is an error that says so.
-fn released_holds_nothing(s: &Session, args: &Args) -> anyhow::Result<()> {
+/// range, or registering data, is an error that says so.
+fn released_holds_nothing(s: &mut Session, args: &Args) -> anyhow::Result<()> {
     for (name, _) in item_names(args) {
+        let registered = [s.distribute::<u64>("late", 0, &[]).err(), s.replicate("late", &1u32).err()];
         let errors = [s.block::<u8>(name).err(), s.block::<u128>(name).err(), s.block_range(name).err()];
+        let errors = errors.into_iter().chain(registered);
         for e in errors {
             match e {
                 Some(e) if e.to_string().contains("released") => {}
@@ -355,7 +357,7 @@ fn main() -> anyhow::Result<()> {
         }
         match cp {
             Checkpoint::Released(_) => {
-                released_holds_nothing(&s, &args)?;
+                released_holds_nothing(&mut s, &args)?;
                 stale(&before)?;
                 return Ok(s.finalize()?);
             }

@@ -448,13 +448,15 @@ impl Session {
         timeout: Duration,
         memberships: &Memberships,
     ) -> Result<Group> {
-        let number = memberships.advance();
         let me = ep.rank();
         let pos =
             m.ranks.iter().position(|r| *r == me).ok_or_else(|| {
                 Error::Bootstrap(format!("this process ({me}) is not in the membership it was given"))
             })?;
         let g = AsyncGroup::new(ep.clone(), world_context(m.epoch), m.ranks.clone(), pos, timeout)?;
+        // Only a membership whose world could be made ends the one before: a failure
+        // leaves the old groups as they were.
+        let number = memberships.advance();
         Ok(Group::new(g.placed(placement([m])).fenced(memberships, number), rt.handle().clone(), spin))
     }
 
@@ -515,7 +517,10 @@ impl Session {
 
     /// The group of every process in the job (in the current membership). A copy kept
     /// past a checkpoint that changed the membership refuses to address its members
-    /// ([`Error::StaleGroup`]): take the world again after each checkpoint.
+    /// ([`Error::StaleGroup`]): take the world again after each checkpoint. (A process
+    /// started alone that asks to grow becomes part of a launched job at that
+    /// checkpoint, with a new endpoint: its world is new even when the checkpoint
+    /// answers [`Checkpoint::Pending`] or [`Checkpoint::Unchanged`].)
     #[must_use]
     pub fn world(&self) -> &Group {
         &self.world
@@ -966,5 +971,21 @@ mod tests {
         assert_ne!(set_context(&a), set_context(&ProcessSet::new("b", 0, [1, 2])));
         assert_ne!(set_context(&a), set_context(&ProcessSet::new("a", 1, [1, 2, 3])));
         assert!(set_context(&ProcessSet::world(0, 4)).0 >= 0x8000_0000);
+    }
+
+    #[test]
+    fn a_world_that_cannot_be_made_leaves_the_membership_as_it_was() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let ep = ductile_transport::mem::MemHub::endpoints(1).pop().unwrap();
+        let memberships = Memberships::default();
+        let m = |ranks: Vec<Rank>| Membership { epoch: 1, nodes: vec![NodeId(0); ranks.len()], ranks, addrs: vec![] };
+        let spin = Duration::ZERO;
+        let timeout = Duration::from_secs(5);
+        let world = Session::world_of(&rt, spin, &ep, &m(vec![Rank(0)]), timeout, &memberships).unwrap();
+        world.barrier().unwrap();
+        for bad in [vec![Rank(1)], vec![Rank(0), Rank(0)]] {
+            assert!(Session::world_of(&rt, spin, &ep, &m(bad), timeout, &memberships).is_err());
+            world.barrier().expect("the world still current");
+        }
     }
 }

@@ -19,12 +19,11 @@ impl Session {
     /// change).
     ///
     /// # Errors
-    /// The name is taken, the block is not this rank's size, or the element type's
-    /// alignment is above 64 (a cache line).
+    /// The name is taken, the block is not this rank's size, the element type's
+    /// alignment is above 64 (a cache line), or this process was released at a
+    /// checkpoint (it holds no part).
     pub fn distribute<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T]) -> Result<()> {
-        let part = (self.world.rank() as u32, self.world.size() as u32);
-        let how = How { method: None, constant: false, place: self.place_of(None) };
-        self.registry.distribute(name, global_len, part, block, how)
+        self.register(name, global_len, block, None, false)
     }
 
     /// Registers distributed data that always moves by `method`, whatever the job's
@@ -36,9 +35,7 @@ impl Session {
     /// # Errors
     /// As [`Session::distribute`].
     pub fn distribute_by<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T], method: Method) -> Result<()> {
-        let part = (self.world.rank() as u32, self.world.size() as u32);
-        let how = How { method: Some(method), constant: false, place: self.place_of(Some(method)) };
-        self.registry.distribute(name, global_len, part, block, how)
+        self.register(name, global_len, block, Some(method), false)
     }
 
     /// Registers distributed data that the application does not change (a matrix,
@@ -52,9 +49,7 @@ impl Session {
     /// # Errors
     /// As [`Session::distribute`].
     pub fn distribute_constant<T: Pod>(&mut self, name: &str, global_len: u64, block: &[T]) -> Result<()> {
-        let part = (self.world.rank() as u32, self.world.size() as u32);
-        let how = How { method: None, constant: true, place: self.place_of(None) };
-        self.registry.distribute(name, global_len, part, block, how)
+        self.register(name, global_len, block, None, true)
     }
 
     /// [`Session::distribute_constant`] with its own method.
@@ -70,8 +65,22 @@ impl Session {
         block: &[T],
         method: Method,
     ) -> Result<()> {
+        self.register(name, global_len, block, Some(method), true)
+    }
+
+    /// Registers distributed data moved by `method` (the job's if `None`), constant or
+    /// not: this rank's part of the current world.
+    fn register<T: Pod>(
+        &mut self,
+        name: &str,
+        global_len: u64,
+        block: &[T],
+        method: Option<Method>,
+        constant: bool,
+    ) -> Result<()> {
+        self.not_released()?;
         let part = (self.world.rank() as u32, self.world.size() as u32);
-        let how = How { method: Some(method), constant: true, place: self.place_of(Some(method)) };
+        let how = How { method, constant, place: self.place_of(method) };
         self.registry.distribute(name, global_len, part, block, how)
     }
 
@@ -163,8 +172,10 @@ impl Session {
     /// # Local
     ///
     /// # Errors
-    /// The value does not encode, or the name is a distributed item.
+    /// The value does not encode, the name is a distributed item, or this process was
+    /// released at a checkpoint (no process would receive it).
     pub fn replicate<S: Serialize>(&mut self, name: &str, value: &S) -> Result<()> {
+        self.not_released()?;
         self.registry.replicate(name, value)
     }
 
