@@ -65,10 +65,20 @@ fn run_noting_launcher_fds(args: &[&str], env: &[(&str, &str)]) -> (std::process
         let _ = std::io::Read::read_to_end(&mut stderr, &mut v);
         v
     });
+    // Read on a thread of its own, so that a count can stop at the next line.
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    let stdout = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+    let reader = std::thread::spawn(move || {
+        for line in stdout.lines() {
+            if lines_tx.send(line.expect("ductile's output")).is_err() {
+                break;
+            }
+        }
+    });
     let mut text = String::new();
     let mut agent = None;
-    for line in std::io::BufReader::new(child.stdout.take().expect("stdout")).lines() {
-        let line = line.expect("ductile's output");
+    let mut pending = std::collections::VecDeque::new();
+    while let Some(line) = pending.pop_front().or_else(|| lines.recv().ok()) {
         text.push_str(&line);
         text.push('\n');
         if line.contains(" rank 0 holds ") {
@@ -82,12 +92,24 @@ fn run_noting_launcher_fds(args: &[&str], env: &[(&str, &str)]) -> (std::process
             let sample = || [count(&fd_dir), count(&agent_fds), count(&agent_tasks)];
             // The least over 500 ms while both live: an agent that left may still be
             // ending (its end closes the launcher's), while a leak stays; the job's next
-            // growth only adds. The job may end meanwhile (after its last line): an
-            // ended process holds nothing (0), and its samples are not counted.
+            // growth only adds. After the last change, the job ends: its end would
+            // close what a leak kept, so counting stops at rank 0's line after it (which
+            // rank 0 holds back for a second). An ended process holds nothing (0): such
+            // samples are not counted either.
             let mut least = sample();
             let until = Instant::now() + Duration::from_millis(500);
             while Instant::now() < until {
-                std::thread::sleep(Duration::from_millis(20));
+                match lines.recv_timeout(Duration::from_millis(20)) {
+                    Ok(line) => {
+                        let ending = line.contains("after the last change");
+                        pending.push_back(line);
+                        if ending {
+                            break;
+                        }
+                    }
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+                }
                 let now = sample();
                 if now.contains(&0) {
                     break;
@@ -98,6 +120,7 @@ fn run_noting_launcher_fds(args: &[&str], env: &[(&str, &str)]) -> (std::process
             text.push_str(&format!("agent holds {} fds and {} threads\n", least[1], least[2]));
         }
     }
+    reader.join().expect("stdout reader");
     let status = child.wait().expect("wait for ductile");
     let stderr = errors.join().expect("stderr reader");
     (std::process::Output { status, stdout: text.clone().into_bytes(), stderr }, text)
