@@ -150,12 +150,17 @@ fn bad_command_lines_get_one_clear_line() {
     }
     let slurm = [("SLURM_JOB_NODELIST", "n[1-"), ("SLURM_TASKS_PER_NODE", "2")];
     let overflow = [("SLURM_JOB_NODELIST", "n[1-2]"), ("SLURM_TASKS_PER_NODE", "1,1(x18446744073709551615)")];
+    // Allocations the job could grow past the limit on: bounded by --max-nodes, or refused.
+    let huge = [("SLURM_JOB_NODELIST", "n[1-5000]"), ("SLURM_TASKS_PER_NODE", "1(x5000)")];
+    let wide = [("SLURM_JOB_NODELIST", "n[1-2000]"), ("SLURM_TASKS_PER_NODE", "4(x2000)")];
     for (vars, want) in [
         (&slurm[..0], "--slurm needs a Slurm allocation"),
         (&slurm[..], "a `[` without its `]`"),
         (&overflow[..], "more than 65536 counts"),
+        (&huge[..], "the job may grow to all 5000 nodes of its hosts, more than the limit of 4096: bound it with"),
+        (&wide[..], "a pool of 2000 nodes has 8000 slots, more than the limit of 4096 ranks: bound the job with"),
     ] {
-        let mut c = ductile(&["run", "--slurm", "--", "true"]);
+        let mut c = ductile(&["run", "--slurm", "-n", "2", "--", "true"]);
         c.env_remove("SLURM_JOB_NODELIST").env_remove("SLURM_TASKS_PER_NODE").envs(vars.iter().copied());
         let out = c.output().expect("start ductile");
         let err = String::from_utf8_lossy(&out.stderr);

@@ -323,12 +323,15 @@ impl RunArgs {
         let max = self.max_nodes.or(pool.as_ref().map(|h| h.len() as u32)).unwrap_or(initial.max(steps_max));
         // Before anything is built per node: every node holds at least one rank.
         if max.max(steps_max) > layout::MAX_RANKS {
-            let what = if steps_max > layout::MAX_RANKS { "--policy" } else { "--max-nodes" };
-            return Err(format!(
-                "{what} asks for {} nodes, more than the limit of {}",
-                max.max(steps_max),
-                layout::MAX_RANKS
-            ));
+            let limit = layout::MAX_RANKS;
+            return Err(match (steps_max > limit, self.max_nodes) {
+                (true, _) => format!("--policy asks for {steps_max} nodes, more than the limit of {limit}"),
+                (false, Some(_)) => format!("--max-nodes asks for {max} nodes, more than the limit of {limit}"),
+                (false, None) => format!(
+                    "the job may grow to all {max} nodes of its hosts, more than the limit of {limit}: \
+                     bound it with --max-nodes"
+                ),
+            });
         }
         if initial > max {
             return Err(format!("the job starts on {initial} nodes, above --max-nodes {max}"));
@@ -356,8 +359,9 @@ impl RunArgs {
         let pool_slots: u64 = slots.iter().copied().map(u64::from).sum();
         if pool_slots > u64::from(layout::MAX_RANKS) {
             return Err(format!(
-                "a pool of {max} nodes has {pool_slots} slots, more than the limit of {} ranks",
-                layout::MAX_RANKS
+                "a pool of {max} nodes has {pool_slots} slots, more than the limit of {} ranks{}",
+                layout::MAX_RANKS,
+                if self.max_nodes.is_none() && max > 1 { ": bound the job with --max-nodes" } else { "" }
             ));
         }
         self.check_transport(pool.as_deref())?;
