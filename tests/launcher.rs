@@ -148,6 +148,10 @@ fn bad_command_lines_get_one_clear_line() {
         assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: {err}");
     }
+    // Sizes the job asks for itself: --max-nodes would not help, and is not suggested.
+    let out = run(&["run", "-n", "1", "--slots", "3000", "--policy", "steps:1,2", "--", "true"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("a pool of 2 nodes has 6000 slots, more than the limit of 4096 ranks\n"), "{err}");
     let slurm = [("SLURM_JOB_NODELIST", "n[1-"), ("SLURM_TASKS_PER_NODE", "2")];
     let overflow = [("SLURM_JOB_NODELIST", "n[1-2]"), ("SLURM_TASKS_PER_NODE", "1,1(x18446744073709551615)")];
     // Allocations the job could grow past the limit on: bounded by --max-nodes, or refused.

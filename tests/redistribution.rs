@@ -81,7 +81,8 @@ fn run_noting_launcher_fds(args: &[&str], env: &[(&str, &str)]) -> (std::process
     while let Some(line) = pending.pop_front().or_else(|| lines.recv().ok()) {
         text.push_str(&line);
         text.push('\n');
-        if line.contains(" rank 0 holds ") {
+        // After the last change and a checkpoint, the job ends: nothing to count then.
+        if line.contains(" rank 0 holds ") && !line.contains("after the last change") {
             // Node 0's agent, there through the circuit: the launcher's first child
             // agent, looked up once, early (released agents become the launcher's too).
             let agent = *agent.get_or_insert_with(|| {

@@ -361,7 +361,12 @@ impl RunArgs {
             return Err(format!(
                 "a pool of {max} nodes has {pool_slots} slots, more than the limit of {} ranks{}",
                 layout::MAX_RANKS,
-                if self.max_nodes.is_none() && max > 1 { ": bound the job with --max-nodes" } else { "" }
+                // Only a pool's size, not a size the job asks for, can be bounded.
+                if self.max_nodes.is_none() && max > initial.max(steps_max) {
+                    ": bound the job with --max-nodes"
+                } else {
+                    ""
+                }
             ));
         }
         self.check_transport(pool.as_deref())?;

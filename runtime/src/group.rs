@@ -757,10 +757,9 @@ impl Group {
     /// for a receive that takes any length ([`Group::recv`], [`Group::recv_bytes`]).
     pub fn recv_into<T: Pod>(&self, src: Option<usize>, tag: Option<u32>, out: &mut [T]) -> Result<Status> {
         pod::sized::<T>();
-        // A payload of `out`'s size may be copied straight into it by the transport
-        // (no buffer of its own); any other comes as bytes, checked here.
         // The transport takes only a message of `out`'s size, and leaves one of another
-        // in its place in the order of arrival.
+        // in its place in the order of arrival. It may copy the payload straight into
+        // `out` (no buffer of its own), or else hand it over as bytes, copied here.
         let (env, st) = match self.inner.recv_here(src, tag, self.spin, Some(bytemuck::cast_slice_mut::<T, u8>(out))) {
             Err(Error::Transport(TransportError::SizeMismatch { peer, got, .. })) => {
                 let src = self.inner.source(peer)?;
@@ -774,6 +773,7 @@ impl Group {
             r => r?,
         };
         if let Some(env) = env {
+            // Of `out`'s size (checked by the transport): cannot fail.
             pod::bytes_into(&env.payload, out, st.source, "recv_into")?;
         }
         Ok(st)

@@ -109,8 +109,10 @@ enum Reply {
     /// lock (see [`Mailbox::poll_posted`]).
     Kept(Option<Waker>),
     /// Handed over to the receiver if it is delivered on the receiver's own thread while
-    /// that waits (see [`here`]), otherwise kept as [`Reply::Kept`] is.
-    Here(Waker),
+    /// that waits (see [`here`]), otherwise kept as [`Reply::Kept`] is. A receive that
+    /// lent memory takes only a message of its length (the second field): it answers
+    /// another with [`TransportError::SizeMismatch`] and lets it go on, in its place.
+    Here(Waker, Option<usize>),
     /// Into the part, then to the receiver (see [`landed`]).
     Into(Part, oneshot::Sender<Result<Landed, TransportError>>),
 }
@@ -123,14 +125,26 @@ impl Reply {
     /// waits for it (see [`here`]), else kept for it in `kept` (its waker is returned, to
     /// wake once the lock is released), or copied into its part. Gives the message back
     /// if the receiver is gone (only a receive into a part can be: a kept answer waits
-    /// for its receiver, which withdraws it if it gives up).
-    fn offer(self, mailbox: &Mailbox, id: u64, msg: Message, kept: &mut Answers) -> Result<Option<Waker>, Message> {
+    /// for its receiver, which withdraws it if it gives up), or if the receive refused it
+    /// (with the receive's waker, to wake once the lock is released).
+    fn offer(
+        self,
+        mailbox: &Mailbox,
+        id: u64,
+        msg: Message,
+        kept: &mut Answers,
+    ) -> Result<Option<Waker>, (Message, Option<Waker>)> {
         match self {
             Reply::Kept(waker) => {
                 kept.push((id, Ok(msg)));
                 Ok(waker)
             }
-            Reply::Here(waker) => match here::hand_over(mailbox, id, msg) {
+            Reply::Here(waker, Some(lent)) if lent != msg.len() => {
+                let (peer, got) = (msg.env.src, msg.len() as u64);
+                kept.push((id, Err(TransportError::SizeMismatch { peer, expected: lent as u64, got })));
+                Err((msg, Some(waker)))
+            }
+            Reply::Here(waker, _) => match here::hand_over(mailbox, id, msg) {
                 Ok(()) => Ok(None),
                 Err(msg) => {
                     kept.push((id, Ok(msg)));
@@ -139,10 +153,10 @@ impl Reply {
             },
             Reply::Into(part, tx) => {
                 if tx.is_closed() {
-                    return Err(msg);
+                    return Err((msg, None));
                 }
                 match landed::land(&msg, part) {
-                    Ok(l) => tx.send(Ok(l)).map(|()| None).map_err(|_| msg),
+                    Ok(l) => tx.send(Ok(l)).map(|()| None).map_err(|_| (msg, None)),
                     Err(e) => {
                         // The message is the receive's, with an error: it was not
                         // the size asked for.
@@ -161,7 +175,7 @@ impl Reply {
                 kept.push((id, Err(e)));
                 waker
             }
-            Reply::Here(waker) => {
+            Reply::Here(waker, _) => {
                 kept.push((id, Err(e)));
                 Some(waker)
             }
@@ -323,7 +337,7 @@ impl Mailbox {
         let seq = st.arrival();
         let first = st.posted.iter().position(|p| p.pattern.matches(src, ctx, tag));
         if let Some(i) = first {
-            if matches!(st.posted[i].reply, Reply::Here(_))
+            if matches!(st.posted[i].reply, Reply::Here(..))
                 && here::land(self, st.posted[i].id, (src, ctx, tag, seq), payload)
             {
                 st.posted.remove(i);
@@ -341,6 +355,8 @@ impl Mailbox {
     /// Delivers `msg` to the oldest matching posting at or after `i` (none before it
     /// matches), or queues it.
     fn deliver_from(&self, mut st: std::sync::MutexGuard<'_, State>, mut i: usize, mut msg: Message) {
+        // Receives that refused the message, to wake once the lock is released.
+        let mut refused = Vec::new();
         while i < st.posted.len() {
             if msg.matched_by(&st.posted[i].pattern) {
                 // Index is in range: checked by the loop condition.
@@ -348,20 +364,24 @@ impl Mailbox {
                 match p.reply.offer(self, p.id, msg, &mut st.kept) {
                     Ok(waker) => {
                         drop(st);
-                        if let Some(w) = waker {
-                            w.wake();
-                        }
+                        waker.into_iter().chain(refused).for_each(Waker::wake);
                         return;
                     }
-                    // A receive into a part whose receiver gave up without cancelling:
-                    // offer the message to the next matching posting (now at `i`).
-                    Err(back) => msg = back,
+                    // A receive into a part whose receiver gave up without cancelling,
+                    // or one of another length: offer the message to the next matching
+                    // posting (now at `i`).
+                    Err((back, waker)) => {
+                        msg = back;
+                        refused.extend(waker);
+                    }
                 }
             } else {
                 i += 1;
             }
         }
         st.unexpected.push_back(msg);
+        drop(st);
+        refused.into_iter().for_each(Waker::wake);
     }
 
     /// Takes the oldest matching queued message, or posts a receive.
@@ -416,7 +436,7 @@ impl Mailbox {
                 }
                 Poll::Pending
             }
-            Some(Reply::Here(waker)) => {
+            Some(Reply::Here(waker, _)) => {
                 if !waker.will_wake(cx.waker()) {
                     *waker = cx.waker().clone();
                 }
@@ -484,22 +504,27 @@ impl Mailbox {
         if st.is_fenced(msg.env.src) {
             return;
         }
+        let mut refused = Vec::new();
         while let Some(pos) = st.posted.iter().position(|p| msg.matched_by(&p.pattern)) {
             let p = st.posted.remove(pos).expect("position found");
             match p.reply.offer(self, p.id, msg, &mut st.kept) {
                 Ok(waker) => {
                     drop(st);
-                    if let Some(w) = waker {
-                        w.wake();
-                    }
+                    waker.into_iter().chain(refused).for_each(Waker::wake);
                     return;
                 }
-                // A receive into a part whose receiver gave up: the next one.
-                Err(back) => msg = back,
+                // A receive into a part whose receiver gave up, or one of another
+                // length: the next one.
+                Err((back, waker)) => {
+                    msg = back;
+                    refused.extend(waker);
+                }
             }
         }
         let at = st.unexpected.partition_point(|m| m.seq < msg.seq);
         st.unexpected.insert(at, msg);
+        drop(st);
+        refused.into_iter().for_each(Waker::wake);
     }
 
     /// Withdraws a posted receive into a part ([`Mailbox::post_into`]). Returns false

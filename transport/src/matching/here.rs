@@ -205,7 +205,8 @@ impl Mailbox {
                 // until it has the answer.
                 return Ok(Ok(unsafe { answer(msg, dest) }));
             }
-            st.push(pattern, super::Reply::Here(waker.clone()))
+            let lent = (!dest.0.is_null()).then_some(dest.1);
+            st.push(pattern, super::Reply::Here(waker.clone(), lent))
         };
         let outer = WAITING.replace(((addr(self), id), dest));
         Ok(Err(WaitHere { mailbox: self, id, dest, outer, done: false, landed: false, _here: PhantomData }))
@@ -232,8 +233,9 @@ impl WaitHere<'_> {
 
     /// The message or the receive's error once there; until then, `cx`'s waker is woken
     /// when another thread answers. Once it returned ready, the receive is over. A
-    /// message of another length than the memory lent is refused
-    /// ([`TransportError::SizeMismatch`]) and goes back in its place.
+    /// message of another length than the memory lent was refused where it was matched
+    /// ([`TransportError::SizeMismatch`]): it went on, in its place, to the next
+    /// receive that matches it or to the queue.
     pub fn poll(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<Envelope, TransportError>> {
         if self.done {
             return Poll::Ready(Err(TransportError::Closed));
@@ -250,10 +252,8 @@ impl WaitHere<'_> {
             },
         };
         self.done = true;
-        if let Some(refusal) = refused(&msg, self.dest).filter(|_| !landed) {
-            self.mailbox.give_back_message(msg);
-            return Poll::Ready(Err(refusal));
-        }
+        // A message of another length was refused where it was matched.
+        debug_assert!(landed || refused(&msg, self.dest).is_none());
         let (env, landed) = if landed {
             (msg.join(), true)
         } else {
@@ -426,7 +426,7 @@ mod tests {
     #[test]
     fn a_message_of_another_length_than_the_lent_memory_keeps_its_place() {
         let m = Mailbox::new();
-        let (_, waker) = counter();
+        let (count, waker) = counter();
         let mut buf = [0u8; 4];
         let next = |m: &Mailbox| {
             let Ok(Ok(e)) = m.post_here(pat(Some(1), None), &waker) else { panic!("expected a queued message") };
@@ -440,25 +440,37 @@ mod tests {
         assert!(matches!(refused, Err(TransportError::SizeMismatch { expected: 4, got: 8, .. })));
         drop(refused);
         assert_eq!((next(&m), next(&m)), (Bytes::from_static(b"older"), Bytes::from_static(b"too long")));
-        // Handed over while the receive waits, or kept for it by another thread: refused
-        // when collected, and put back behind the older message.
-        for here in [true, false] {
+        // Delivered while the receive waits, on its thread or another: refused where it
+        // is matched (the receive is woken to learn it), and queued behind the older
+        // message, or taken by the next receive that matches it.
+        for (here, then_posted) in [(true, false), (false, false), (true, true)] {
+            let woken = count.0.load(Ordering::SeqCst);
             // SAFETY: `w` is dropped before `buf` is used again.
             let Ok(Err(mut w)) = (unsafe { m.post_here_into(pat(Some(1), Some(5)), &waker, &mut buf) }) else {
                 panic!("expected a posted receive")
             };
+            let later = then_posted.then(|| posted(m.post(pat(Some(1), Some(5))).unwrap()));
             m.deliver(env(1, 6, b"older"));
             if here {
                 m.deliver(env(1, 5, b"too long"));
             } else {
                 std::thread::scope(|s| s.spawn(|| m.deliver(env(1, 5, b"too long"))).join().unwrap());
             }
-            assert_eq!(w.arrived(), here);
+            assert!(!w.arrived());
+            assert_eq!(count.0.load(Ordering::SeqCst), woken + 1);
             let Poll::Ready(Err(TransportError::SizeMismatch { got: 8, .. })) = w.poll(&mut noop()) else {
                 panic!("expected a refusal")
             };
             drop(w);
-            assert_eq!((next(&m), next(&m)), (Bytes::from_static(b"older"), Bytes::from_static(b"too long")));
+            match later {
+                Some(id) => {
+                    assert_eq!(answer(&m, id).unwrap().unwrap().payload, &b"too long"[..]);
+                    assert_eq!(next(&m), Bytes::from_static(b"older"));
+                }
+                None => {
+                    assert_eq!((next(&m), next(&m)), (Bytes::from_static(b"older"), Bytes::from_static(b"too long")))
+                }
+            }
         }
         assert_eq!(m.queued(), 0);
     }
@@ -497,6 +509,8 @@ mod tests {
             panic!("expected a posted receive")
         };
         deliver_slice(&m, 1, 1, b"longer");
+        // Refused where it was matched: the receive is woken to learn it.
+        assert_eq!(count.0.load(Ordering::SeqCst), 1);
         let Poll::Ready(Err(TransportError::SizeMismatch { got: 6, .. })) = w.poll(&mut noop()) else {
             panic!("expected a refusal")
         };
@@ -510,7 +524,7 @@ mod tests {
         let other = m.clone();
         std::thread::spawn(move || deliver_slice(&other, 1, 1, b"away")).join().unwrap();
         assert!(!w.arrived());
-        assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        assert_eq!(count.0.load(Ordering::SeqCst), 2);
         let Poll::Ready(Ok(e)) = w.poll(&mut noop()) else { panic!("expected the message") };
         assert!(!w.landed());
         assert_eq!(e.payload, &b"away"[..]);
