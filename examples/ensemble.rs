@@ -8,7 +8,9 @@
 //!
 //! The last child of the first K attempts of every task fails (`exit`: code 3;
 //! `crash`: abort; `hang`: sleeps until the child job's timeout ends it); the other
-//! children allreduce their ranks and check the sum. `--mismatch`: member 1 asks for a
+//! children allreduce their ranks and check the sum. `--timeout` bounds those first K
+//! attempts' child jobs; the later ones get at least 60 s (on a loaded machine a child
+//! job that should succeed may take longer than a hang is worth waiting for). `--mismatch`: member 1 asks for a
 //! different child job, which every member must refuse. Exit code: 0 if every task
 //! succeeded, 3 if one failed every try, 4 if a launch was refused. `--time`: the
 //! first member prints how long the launches took (`benches/launch.rs`). `--async`:
@@ -108,7 +110,7 @@ fn main() -> anyhow::Result<()> {
             let mut what = Launch::new(exe.clone())
                 .args(["--child".to_string(), task.to_string(), attempt.to_string()])
                 .args([o.fail_attempts.to_string(), o.fail_how.clone()])
-                .timeout(Duration::from_secs(o.timeout));
+                .timeout(Duration::from_secs(if attempt < o.fail_attempts { o.timeout } else { o.timeout.max(60) }));
             if o.mismatch && g.rank() == 1 {
                 what = what.arg("extra");
             }

@@ -173,8 +173,7 @@ fn a_remote_shell_that_hangs_ends_within_the_limits_even_with_a_large_environmen
         let script = tmp(&format!("{name}-rsh.sh"));
         let pids = tmp(&format!("{name}-rsh.pids"));
         let body = format!("#!/bin/sh\necho $$ >> {}\n{begin}\nexec sleep 1000\n", pids.display());
-        std::fs::write(&*script, body).unwrap();
-        std::fs::set_permissions(&*script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        common::write_executable(&script, body.as_bytes());
         let started = Instant::now();
         let list = format!("{},{}", t.hosts()[0], "other-host");
         let mut c = t.in_head(&ductile_bin());
@@ -529,8 +528,7 @@ fn a_pool_larger_than_the_fan_out_starts_and_ends_promptly() {
     // shell starts the agent where it runs (in the head namespace); their names
     // resolve nowhere, and a resolver that hangs on them must not hold up the job's end.
     let script = tmp("here-rsh.sh");
-    std::fs::write(&*script, "#!/bin/sh\nshift\nexec \"$@\"\n").unwrap();
-    std::fs::set_permissions(&*script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    common::write_executable(&script, b"#!/bin/sh\nshift\nexec \"$@\"\n");
     let list: Vec<String> = (0..70).map(|i| format!("pool-host-{i}")).collect();
     let started = Instant::now();
     let mut c = t.in_head(&ductile_bin());

@@ -240,11 +240,13 @@ fn a_program_that_is_not_a_ductile_program_fails_cleanly() {
     let report = tmp("notductile.json");
     let r = report.to_str().unwrap();
     let started = Instant::now();
-    let out = run(&["run", "-n", "2", "--join-timeout", "5", "--timeout", "60", "--report", r, "--", "sleep", "30"]);
+    // The agent's limit, 8 of the 10 s, leaves it time to start on a loaded machine
+    // and say which ranks are late before the controller gives up on it.
+    let out = run(&["run", "-n", "2", "--join-timeout", "10", "--timeout", "60", "--report", r, "--", "sleep", "30"]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("did not join the job within"), "{err}");
-    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    assert!(started.elapsed() < Duration::from_secs(25), "took {:?}", started.elapsed());
     assert_no_survivors(&report);
     // A rank that exits (or dies) before it joins: the job ends with its code.
     for (prog, code, says) in [("exit 7", 7, "exited with code 7"), ("kill -SEGV $$", 139, "was killed by signal 11")] {
@@ -258,7 +260,8 @@ fn a_program_that_is_not_a_ductile_program_fails_cleanly() {
     let started = Instant::now();
     let out = run(&["run", "-n", "2", "--timeout", "2", "--report", r, "--", "sleep", "30"]);
     assert_eq!(out.status.code(), Some(124), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    // Well before the program's 30 s and the join limit's 60 s.
+    assert!(started.elapsed() < Duration::from_secs(20), "took {:?}", started.elapsed());
     assert_no_survivors(&report);
 }
 
@@ -275,6 +278,7 @@ fn intruders_are_rejected_and_the_job_completes() {
             .spawn()
             .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let errors = common::lines_of(child.stderr.take().unwrap());
     let first = lines.next().unwrap().unwrap();
     let mut words = first.split_whitespace();
     assert_eq!(words.next(), Some("ADDR"));
@@ -313,11 +317,21 @@ fn intruders_are_rejected_and_the_job_completes() {
         s.flush().await.unwrap();
         drop(s);
     });
+    // Rank 0 says so for each, from a task of its own: the job goes on once all have,
+    // before its end could cut a late one short.
+    let mut err = String::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while err.lines().filter(|l| l.contains("rejected connection")).count() < 4 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match errors.recv_timeout(left) {
+            Ok(line) => err.push_str(&(line + "\n")),
+            Err(_) => break,
+        }
+    }
     std::fs::File::create(&go).unwrap().write_all(b"go").unwrap();
     let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
     let status = wait_with_timeout(&mut child, Duration::from_secs(60));
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    err.extend(errors.iter().map(|l| l + "\n"));
     assert!(status.success(), "{err}");
     assert!(rest.iter().any(|l| l.contains("guarded: result correct")), "{rest:?}");
     let rejected = err.lines().filter(|l| l.contains("rejected connection")).count();

@@ -147,7 +147,8 @@ fn the_failure_of_rank_0_hands_the_job_to_the_next_survivor() {
 #[test]
 fn a_lost_node_is_a_shrink_of_all_its_processes() {
     let report = tmp("recover-node");
-    let w = Watched::start("-n 6 --nodes 3", &report, "60 40", &[]);
+    // 150 steps of 40 ms: the kill, after a status call, lands well before the end.
+    let w = Watched::start("-n 6 --nodes 3", &report, "150 40", &[]);
     w.await_step(5);
     // Node 1's agent, killed: its ranks end with it (they die with their parent).
     let status = run(&["status", &w.id]);
@@ -287,9 +288,10 @@ fn a_failure_while_data_moves_in_the_background_ends_the_job_with_its_code() {
 #[test]
 fn a_failure_while_a_growth_starts_abandons_the_growth_and_recovers() {
     let report = tmp("recover-growing");
-    // Growths take 3 s to start their node worlds.
+    // Growths take 6 s to start their node worlds: the kill, found by polling status
+    // calls, lands in that window even on a loaded machine.
     let w =
-        Watched::start("-n 4 --nodes 2 --max-nodes 3", &report, "60 50", &[("DUCTILE_TEST_SPAWN_DELAY_MS", "3000")]);
+        Watched::start("-n 4 --nodes 2 --max-nodes 3", &report, "60 50", &[("DUCTILE_TEST_SPAWN_DELAY_MS", "6000")]);
     // Queued at once, the growth starts at the next checkpoint.
     let mut resize = ductile(&["resize", &w.id, "--nodes", "3", "--wait", "60"]);
     let mut resize = Running(resize.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());

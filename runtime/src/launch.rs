@@ -520,6 +520,21 @@ mod tests {
     use super::*;
     use std::sync::atomic::AtomicBool;
 
+    /// Writes an executable script by a child process: one this process wrote could be
+    /// held open for writing, for a moment, by a process another test thread is forking
+    /// then, and running it would fail with "text file busy".
+    fn write_executable(path: &std::path::Path, body: &str) {
+        use std::io::Write;
+        let mut sh = std::process::Command::new("sh")
+            .args(["-c", "cat > \"$1\" && chmod 700 \"$1\"", "sh"])
+            .arg(path)
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        sh.stdin.take().unwrap().write_all(body.as_bytes()).unwrap();
+        assert!(sh.wait().unwrap().success(), "cannot write {}", path.display());
+    }
+
     #[test]
     fn launches_are_checked_before_anything_starts() {
         assert!(Launch::new("x").check().is_ok());
@@ -582,8 +597,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("ductile-launch-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let killer = dir.join("launcher");
-        std::fs::write(&killer, "#!/bin/sh\nkill -9 $$\n").unwrap();
-        std::fs::set_permissions(&killer, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+        write_executable(&killer, "#!/bin/sh\nkill -9 $$\n");
         let e = run_child(&killer, &Launch::new("true"), 1, &go).unwrap_err().to_string();
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(e.contains("was killed by signal 9"), "{e}");
@@ -596,8 +610,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("ductile-launch-abandon-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let slow = dir.join("launcher");
-        std::fs::write(&slow, "#!/bin/sh\nexec sleep 60\n").unwrap();
-        std::fs::set_permissions(&slow, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+        write_executable(&slow, "#!/bin/sh\nexec sleep 60\n");
         let abandoned = AtomicBool::new(false);
         let started = Instant::now();
         let e = std::thread::scope(|s| {

@@ -636,7 +636,7 @@ mod tests {
                 .map(|(r, ep)| {
                     let members = members.clone();
                     rt.spawn(async move {
-                        let t = AsyncGroup::new(ep.clone(), Context(7), members, r, Duration::from_secs(20)).unwrap();
+                        let t = AsyncGroup::new(ep.clone(), Context(7), members, r, Duration::from_secs(60)).unwrap();
                         let mut reg = Registry::default();
                         let block: Vec<u64> = block_range(N, 3, r as u32).collect();
                         let how = How { constant: background, ..How::default() };
@@ -669,8 +669,9 @@ mod tests {
             let named = results.iter().any(|(res, _)| res.as_ref().is_err_and(|e| e.to_string().contains("rank 2")));
             assert!(named, "{method} {background}: no member named rank 2: {results:?}");
             for (r, (res, took)) in results.iter().enumerate() {
-                // Source 1 may have finished its part, or failed when a peer went.
-                assert!(*took < Duration::from_secs(5), "{method} {background}: member {r} took {took:?} ({res:?})");
+                // Source 1 may have finished its part, or failed when a peer went; none
+                // waited for the group's timeout (60 s), even on a loaded machine.
+                assert!(*took < Duration::from_secs(30), "{method} {background}: member {r} took {took:?} ({res:?})");
             }
         }
     }

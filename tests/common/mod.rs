@@ -22,6 +22,27 @@ pub fn run(args: &[&str]) -> Output {
     ductile(args).output().expect("start ductile")
 }
 
+/// Writes an executable file at `path`, by a child process: a file this process wrote
+/// itself could be held open for writing, for a moment, by a process another test
+/// thread is forking then, and running it would fail with "text file busy" (ETXTBSY).
+pub fn write_executable(path: &std::path::Path, body: &[u8]) {
+    use std::io::Write;
+    let mut sh = Command::new("sh")
+        .args(["-c", "cat > \"$1\" && chmod 755 \"$1\"", "sh"])
+        .arg(path)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("start sh");
+    sh.stdin.take().expect("stdin").write_all(body).expect("write the file");
+    assert!(sh.wait().expect("wait for sh").success(), "cannot write {}", path.display());
+}
+
+/// Copies the executable `from` to `to` as [`write_executable`] writes one.
+pub fn copy_executable(from: &std::path::Path, to: &std::path::Path) {
+    let ok = Command::new("cp").arg(from).arg(to).status().expect("start cp").success();
+    assert!(ok, "cannot copy {} to {}", from.display(), to.display());
+}
+
 pub fn ex(name: &str) -> String {
     let p = example(name);
     assert!(p.exists(), "{} is missing: build the examples first", p.display());

@@ -30,7 +30,7 @@ struct Backend {
 
 impl Backend {
     fn config(&self) -> TransportConfig {
-        let cfg = TransportConfig::default().handshake_timeout(Duration::from_millis(500));
+        let cfg = TransportConfig::default().handshake_timeout(Duration::from_secs(5));
         match self.provider {
             Some(p) => cfg.fabric_provider(p),
             None => cfg,

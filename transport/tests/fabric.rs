@@ -19,7 +19,7 @@ fn setup(provider: &str, rank: u32) -> (TransportSetup, Arc<Mailbox>) {
     let setup = TransportSetup {
         identity: Identity { job: JobId(5), key: JobKey::from_bytes([3; 32]), rank: Rank(rank) },
         size: 2,
-        config: TransportConfig::default().handshake_timeout(Duration::from_millis(500)).fabric_provider(provider),
+        config: TransportConfig::default().handshake_timeout(Duration::from_secs(5)).fabric_provider(provider),
         mailbox: mailbox.clone(),
     };
     (setup, mailbox)

@@ -22,7 +22,7 @@ fn endpoint(key: u8, rank: u32, size: u32) -> Endpoint {
     let setup = TransportSetup {
         identity: Identity { job: JobId(77), key: JobKey::from_bytes([key; 32]), rank: Rank(rank) },
         size,
-        config: TransportConfig::default().handshake_timeout(Duration::from_millis(500)),
+        config: TransportConfig::default().handshake_timeout(Duration::from_secs(5)),
         mailbox: mailbox.clone(),
     };
     Endpoint::new(bind("quic", setup).unwrap(), mailbox, Rank(rank))

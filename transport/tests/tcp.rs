@@ -18,7 +18,7 @@ fn job(size: u32, key: u8) -> Vec<Endpoint> {
             let setup = TransportSetup {
                 identity: Identity { job: JobId(77), key: JobKey::from_bytes([key; 32]), rank: Rank(r) },
                 size,
-                config: TransportConfig::default().handshake_timeout(Duration::from_millis(500)),
+                config: TransportConfig::default().handshake_timeout(Duration::from_secs(5)),
                 mailbox: mailbox.clone(),
             };
             Endpoint::new(bind("tcp", setup).unwrap(), mailbox, Rank(r))
