@@ -63,7 +63,13 @@ fn main() -> anyhow::Result<()> {
             if r == who {
                 std::process::exit(code);
             }
-            world.recv::<u8>(Some(who), Some(1))?;
+            if let Err(e) = world.recv::<u8>(Some(who), Some(1)) {
+                // The launcher ends the job at the first failure, rank `who`'s: give it
+                // time (5 s at most) to hear of that exit before this consequence of it,
+                // which on a loaded machine could otherwise reach it first.
+                std::thread::sleep(std::time::Duration::from_secs(5));
+                return Err(e.into());
+            }
         }
         Some("hang") => {
             println!("rank {r} waiting");
