@@ -35,6 +35,16 @@ pub(crate) fn recv_nonblocking(fd: RawFd, buf: &mut impl BufMut) -> std::io::Res
     Ok(Got { n, full: n == offered })
 }
 
+/// Waits until `fd` has something to read (or its peer closed), for at most `timeout`;
+/// false if the time passed first. An interrupted or failed wait counts as readable,
+/// so that the caller reads again and sees the error itself.
+pub(crate) fn wait_readable(fd: RawFd, timeout: std::time::Duration) -> bool {
+    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+    // SAFETY: one valid pollfd that the call only reads and writes.
+    unsafe { libc::poll(&mut pfd, 1, ms) != 0 }
+}
+
 /// A level-triggered `epoll` set: which of many sockets have something to read, asked
 /// in one system call whatever their number. Written by hand because mio, which the
 /// progress thread's set uses, registers every source edge-triggered, and a thread that

@@ -12,9 +12,11 @@
 //! A receive into the caller's own memory ([`Mailbox::post_here_into`]) goes one step
 //! further: a backend that delivers a payload it only lends
 //! ([`Mailbox::deliver_slice`]) on the receiver's thread has it copied straight into
-//! that memory when its length is the memory's, with no buffer made for it; and a
-//! payload delivered in pieces ([`Mailbox::deliver_pieces`]), on any thread, is copied
-//! there by the receiver, without joining the pieces first.
+//! that memory when its length is the memory's, with no buffer made for it; a backend
+//! that reads a large payload itself may read it straight there, on that thread
+//! ([`Mailbox::land_here`]); and a payload delivered in pieces
+//! ([`Mailbox::deliver_pieces`]), on any thread, is copied there by the receiver,
+//! without joining the pieces first.
 //!
 //! Matching is unchanged: the receive is an ordinary posting, matched in its turn under
 //! the lock. Only where its answer goes differs.
@@ -72,12 +74,16 @@ pub(super) fn land(
     if waiting != key || ptr.is_null() || len != payload.len() {
         return false;
     }
-    // SAFETY: `ptr`/`len` are the memory lent by the `WaitHere` of receive `key`, which
-    // is alive: it is this thread's current wait (a wait puts the outer one back when
-    // it ends, and `post_here_into`'s caller promised not to leak it), and it holds the
-    // memory's exclusive borrow for its whole life; nothing else on this thread uses
-    // the memory meanwhile, and no other thread sees this thread's `WAITING`.
-    unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), ptr, len) };
+    // A payload read there already ([`Mailbox::land_here`]) is not copied onto itself.
+    if payload.as_ptr() != ptr.cast_const() {
+        // SAFETY: `ptr`/`len` are the memory lent by the `WaitHere` of receive `key`,
+        // which is alive: it is this thread's current wait (a wait puts the outer one
+        // back when it ends, and `post_here_into`'s caller promised not to leak it), and
+        // it holds the memory's exclusive borrow for its whole life; nothing else on this
+        // thread uses the memory meanwhile (the payload is elsewhere), and no other
+        // thread sees this thread's `WAITING`.
+        unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), ptr, len) };
+    }
     let (src, ctx, tag, seq) = head;
     let mut msg = Message::whole(Envelope { src, ctx, tag, payload: Bytes::new() });
     msg.seq = seq;
@@ -187,6 +193,61 @@ impl Mailbox {
         self.post_waiting(pattern, waker, (dest.as_mut_ptr(), dest.len()))
     }
 
+    /// Lets a backend read a large payload straight into the memory of the receive the
+    /// calling thread waits for ([`Mailbox::post_here_into`]), within one call: if that
+    /// receive lent exactly `len` bytes and is the one a message from `src` in `ctx`
+    /// with `tag` would match now (the oldest posted receive it matches), `fill` gets
+    /// the memory, and what it returns besides is returned. `fill` says whether it
+    /// filled all of it with the payload: the message is then delivered as
+    /// [`Mailbox::deliver_slice`] delivers it, so it is matched as it would have been
+    /// as a buffer, and lands where it is if the receive still waits for it (else it is
+    /// copied into a buffer of its own). If `fill` did not, nothing is delivered (it
+    /// keeps what it read elsewhere, to go on with) and the receive waits on. `None`,
+    /// without calling `fill`, if no such receive waits on this thread.
+    ///
+    /// The memory is lent only while the thread waits, so `fill` cannot keep it (it is
+    /// borrowed for the call). A backend that reads a payload across calls uses a
+    /// [`Mailbox::claim`] instead, granted to receives into a [`crate::landing::Part`].
+    pub fn land_here<R>(
+        &self,
+        src: crate::ids::Rank,
+        ctx: crate::ids::Context,
+        tag: crate::ids::Tag,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> (bool, R),
+    ) -> Option<R> {
+        let ((mailbox, id), (ptr, lent)) = WAITING.get();
+        if ptr.is_null() || lent != len || mailbox != addr(self) {
+            return None;
+        }
+        {
+            let st = self.lock();
+            let first = st.posted.iter().find(|p| p.pattern.matches(src, ctx, tag))?;
+            if st.is_fenced(src) || first.id != id || !matches!(first.reply, super::Reply::Here(..)) {
+                return None;
+            }
+        }
+        // SAFETY: the memory lent by this thread's current wait, as in `land`: alive
+        // for this whole call, which the wait's thread makes while it waits, and used
+        // by nothing else meanwhile; `fill` borrows it for its call only.
+        let mem = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+        let (filled, out) = fill(mem);
+        if filled {
+            self.deliver_slice(src, ctx, tag, mem);
+        }
+        Some(out)
+    }
+
+    /// Whether the receive the calling thread waits for on this mailbox has its message
+    /// already, handed over on this thread (the thread polls in vain from here on: a
+    /// backend may stop reading, and leave the next message where it is until a receive
+    /// is posted for it, which can take it in place with [`Mailbox::land_here`]).
+    #[must_use]
+    pub fn answered_here(&self) -> bool {
+        let (key, _) = WAITING.get();
+        key.0 == addr(self) && ARRIVED.with_borrow(|a| a.as_ref().is_some_and(|(k, _, _)| *k == key))
+    }
+
     fn post_waiting(
         &self,
         pattern: super::Pattern,
@@ -290,6 +351,7 @@ impl Drop for WaitHere<'_> {
 mod tests {
     use super::super::tests::{answer, env, pat, posted};
     use super::*;
+    use crate::ids::{Context, Rank, Tag};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
@@ -558,5 +620,106 @@ mod tests {
             let Ok(Ok(e)) = m.post_here(pat(Some(1), None), &waker) else { panic!("expected a queued message") };
             assert_eq!(e.payload, want);
         }
+    }
+
+    /// Fills `mem` with `body` for [`Mailbox::land_here`]: complete.
+    fn fill<'b>(body: &'b [u8]) -> impl FnOnce(&mut [u8]) -> (bool, ()) + 'b {
+        move |mem: &mut [u8]| {
+            mem.copy_from_slice(body);
+            (true, ())
+        }
+    }
+
+    #[test]
+    fn a_payload_lands_in_the_waiting_receives_memory_only_when_that_receive_takes_it() {
+        let m = Mailbox::new();
+        let (count, waker) = counter();
+        let head = (Rank(1), Context(0), Tag(5));
+        let land = |m: &Mailbox, body: &'static [u8]| m.land_here(head.0, head.1, head.2, body.len(), fill(body));
+        // No receive waits on this thread: nothing is lent.
+        assert!(land(&m, b"none").is_none());
+        let mut buf = [0u8; 4];
+        {
+            // SAFETY: `w` is dropped before `buf` is used again.
+            let Ok(Err(mut w)) = (unsafe { m.post_here_into(pat(Some(1), Some(5)), &waker, &mut buf) }) else {
+                panic!("expected a posted receive")
+            };
+            // Another length, another tag or source, or another thread: not this receive's.
+            assert!(land(&m, b"other").is_none());
+            assert!(m.land_here(Rank(1), Context(0), Tag(6), 4, fill(b"tag!")).is_none());
+            assert!(m.land_here(Rank(2), Context(0), Tag(5), 4, fill(b"src!")).is_none());
+            std::thread::scope(|s| s.spawn(|| assert!(land(&m, b"away").is_none())).join().unwrap());
+            assert!(!w.arrived() && !m.answered_here());
+            // A fill that stops short delivers nothing; the receive waits on.
+            let short = m.land_here(head.0, head.1, head.2, 4, |mem| {
+                mem[..2].copy_from_slice(b"ha");
+                (false, 2)
+            });
+            assert_eq!(short, Some(2));
+            assert!(!w.arrived() && w.poll(&mut noop()).is_pending());
+            // A whole one is this receive's answer, where it already is.
+            assert_eq!(land(&m, b"here"), Some(()));
+            assert!(w.arrived() && m.answered_here());
+            let Poll::Ready(Ok(e)) = w.poll(&mut noop()) else { panic!("expected the message") };
+            assert!(w.landed() && e.payload.is_empty());
+        }
+        assert_eq!(&buf, b"here");
+        assert!(!m.answered_here() && m.lock().posted.is_empty() && m.queued() == 0);
+        assert_eq!(count.0.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn an_older_receive_or_a_fenced_source_is_not_lent_the_memory() {
+        let m = Mailbox::new();
+        let (_, waker) = counter();
+        let older = posted(m.post(pat(Some(1), None)).unwrap());
+        let mut buf = [0u8; 4];
+        {
+            // SAFETY: `w` is dropped before `buf` is used again.
+            let Ok(Err(mut w)) = (unsafe { m.post_here_into(pat(Some(1), Some(5)), &waker, &mut buf) }) else {
+                panic!("expected a posted receive")
+            };
+            // The older receive matches first: the message goes there, as a buffer.
+            assert!(m.land_here(Rank(1), Context(0), Tag(5), 4, fill(b"old!")).is_none());
+            m.deliver(env(1, 5, b"old!"));
+            assert_eq!(answer(&m, older).unwrap().unwrap().payload, &b"old!"[..]);
+            // Now it is this receive's turn.
+            assert_eq!(m.land_here(Rank(1), Context(0), Tag(5), 4, fill(b"new!")), Some(()));
+            let Poll::Ready(Ok(_)) = w.poll(&mut noop()) else { panic!("expected the message") };
+            assert!(w.landed());
+        }
+        assert_eq!(&buf, b"new!");
+        let Ok(Err(_w)) = (unsafe { m.post_here_into(pat(Some(1), Some(5)), &waker, &mut buf) }) else {
+            panic!("expected a posted receive")
+        };
+        m.fence(&[Rank(1)]);
+        assert!(m.land_here(Rank(1), Context(0), Tag(5), 4, fill(b"gone")).is_none());
+    }
+
+    #[test]
+    fn a_payload_read_in_place_for_a_receive_answered_meanwhile_is_kept_whole() {
+        let m = Mailbox::new();
+        let (_, waker) = counter();
+        let mut buf = [0u8; 4];
+        {
+            // SAFETY: `w` is dropped before `buf` is used again.
+            let Ok(Err(mut w)) = (unsafe { m.post_here_into(pat(Some(1), None), &waker, &mut buf) }) else {
+                panic!("expected a posted receive")
+            };
+            // While the payload comes in, another message from the source (on another
+            // connection, say) answers the receive: the one read in place is queued
+            // whole, not lost, and the receive gets its own answer.
+            let landed = m.land_here(Rank(1), Context(0), Tag(5), 4, |mem| {
+                mem.copy_from_slice(b"mine");
+                std::thread::scope(|s| s.spawn(|| m.deliver(env(1, 6, b"them"))).join().unwrap());
+                (true, ())
+            });
+            assert_eq!(landed, Some(()));
+            assert!(!w.arrived());
+            let Poll::Ready(Ok(e)) = w.poll(&mut noop()) else { panic!("expected the message") };
+            assert!(!w.landed() && e.tag == Tag(6) && e.payload == b"them"[..]);
+        }
+        let Ok(Ok(e)) = m.post_here(pat(Some(1), None), &waker) else { panic!("expected the queued message") };
+        assert_eq!((e.tag, &e.payload[..]), (Tag(5), &b"mine"[..]));
     }
 }

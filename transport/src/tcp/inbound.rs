@@ -12,8 +12,15 @@
 //! variable instead of waiting in `epoll`, so arriving data wakes nobody. Sockets are
 //! registered edge-triggered; whoever reads, reads until `WouldBlock`, and the progress
 //! thread takes the connection lock blockingly, so no data is ever left unread. (A
-//! polling application thread stops at a short read, which leaves nothing either; see
-//! [`Reader::drain`].)
+//! polling application thread stops at a short read, which leaves nothing either; and
+//! once its own receive has its message, which may leave data for its next receive to
+//! take in place: the edge that data raised is still pending for the progress thread,
+//! which reads it once no thread polls. See [`Reader::drain`].)
+//!
+//! A large payload that a blocking receive of the polling thread waits for, into its
+//! own memory, is read straight there ([`Reader::land_here`]); one that an asynchronous
+//! receive into a part waits for is read into the part by whoever reads
+//! ([`Mailbox::claim`]); any other into a buffer of its own.
 
 use super::lock;
 use crate::error::{FrameError, TransportError};
@@ -45,6 +52,12 @@ const READ_EACH: usize = 2;
 /// How soon the progress thread resumes after application threads stopped polling
 /// without going to sleep (they went back to computing).
 const GATE_TICK: Duration = Duration::from_millis(1);
+/// How long a thread reading a payload into its receive's memory waits for more of it
+/// before it lets the rest come into a buffer of the frame's own (see
+/// [`Reader::land_here`]).
+const LAND_STALL: Duration = Duration::from_millis(10);
+/// After how long such a thread lets the rest go at the first wait for more.
+const LAND_FOR: Duration = Duration::from_millis(100);
 
 /// One authenticated inbound connection.
 struct Inbound {
@@ -221,7 +234,7 @@ impl Reader {
         lock(&self.conns).insert(token, conn.clone());
         // An event reported before the insertion found no connection: read what came.
         let mut st = lock(&conn.state);
-        self.drain(&conn, &mut st, false);
+        self.drain(&conn, &mut st, None);
         Ok(())
     }
 
@@ -241,11 +254,39 @@ impl Reader {
     /// `recv` per connection and poll, and with 30 idle peers the 8-byte one-way latency
     /// between two ranks of a 32-rank tcp job was 17.0 µs instead of 6.2 (medians of 3,
     /// docs/BENCHMARKS.md). Should the question fail, every connection is read.
-    pub(super) fn progress(&self) -> bool {
-        let mut conns = lock(&self.conns);
+    ///
+    /// `flush` writes this endpoint's queued output and says whether some is still
+    /// queued: a thread that waits for a payload to land in its receive's memory
+    /// ([`Reader::land_here`]) keeps its own sends flowing meanwhile, since the peer may
+    /// wait for them before it sends the rest.
+    pub(super) fn progress(&self, flush: &dyn Fn() -> bool) -> bool {
+        // The connections to read, taken out of the map: a reading thread may wait for a
+        // payload's rest, and the map's lock must not be held meanwhile.
+        let mut picked: [Option<Arc<Inbound>>; 16] = Default::default();
+        let mut every = Vec::new();
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 16];
+        {
+            let conns = lock(&self.conns);
+            let mut pick = |it: &mut dyn Iterator<Item = &Arc<Inbound>>| {
+                picked.iter_mut().zip(it).for_each(|(slot, c)| *slot = Some(c.clone()));
+            };
+            if conns.len() <= READ_EACH {
+                pick(&mut conns.values());
+            } else {
+                match self.ready.ready(&mut events) {
+                    Ok(keys) => pick(&mut keys.filter_map(|k| conns.get(&Token(usize::try_from(k).ok()?)))),
+                    Err(e) => {
+                        if !self.ready_failed.swap(true, Ordering::Relaxed) {
+                            tracing::warn!("{}: tcp: asking which connections are readable failed: {e}", self.me);
+                        }
+                        every = conns.values().cloned().collect();
+                    }
+                }
+            }
+        }
         let mut ended = false;
         let mut read = false;
-        let mut visit = |conn: &Inbound| {
+        for conn in picked.iter().flatten().chain(&every) {
             // Busy: another thread reads it. Poisoned: read on, as `lock` does.
             let st = match conn.state.try_lock() {
                 Ok(st) => Some(st),
@@ -254,28 +295,14 @@ impl Reader {
             };
             if let Some(mut st) = st {
                 let before = st.received;
-                ended |= self.drain(conn, &mut st, true);
+                ended |= self.drain(conn, &mut st, Some(flush));
                 read |= st.received != before;
             }
-        };
-        if conns.len() <= READ_EACH {
-            conns.values().for_each(|c| visit(c));
-        } else {
-            let mut events = [libc::epoll_event { events: 0, u64: 0 }; 16];
-            match self.ready.ready(&mut events) {
-                Ok(keys) => keys.filter_map(|k| conns.get(&Token(usize::try_from(k).ok()?))).for_each(|c| visit(c)),
-                Err(e) => {
-                    if !self.ready_failed.swap(true, Ordering::Relaxed) {
-                        tracing::warn!("{}: tcp: asking which connections are readable failed: {e}", self.me);
-                    }
-                    conns.values().for_each(|c| visit(c));
-                }
-            };
         }
         if ended {
             // Closing the socket (the last reference) also removes it from both epoll
             // sets; it leaves the level-triggered one now, which would report it again.
-            conns.retain(|_, c| {
+            lock(&self.conns).retain(|_, c| {
                 let keep = !c.ended.load(Ordering::Acquire);
                 if !keep {
                     self.ready.remove(c.stream.as_raw_fd());
@@ -294,8 +321,8 @@ impl Reader {
     /// The polling thread stops, and whatever arrived meanwhile is read now. If it is
     /// about to sleep (`parking`), the progress thread resumes at once; otherwise only
     /// once no thread has polled for [`GATE_TICK`], so a ping-pong of blocking calls
-    /// never wakes it.
-    pub(super) fn poll_end(&self, parking: bool) {
+    /// never wakes it. `flush` is as for [`Reader::progress`].
+    pub(super) fn poll_end(&self, parking: bool, flush: &dyn Fn() -> bool) {
         let last = self.polling.fetch_sub(1, Ordering::AcqRel) == 1;
         if last && parking {
             self.wake_now.store(true, Ordering::Release);
@@ -304,7 +331,7 @@ impl Reader {
         } else if last {
             self.last_poll_end.store(self.since_epoch(), Ordering::Release);
         }
-        let _ = self.progress();
+        let _ = self.progress(flush);
     }
 
     fn since_epoch(&self) -> u64 {
@@ -344,7 +371,7 @@ impl Reader {
                 let conn = lock(&self.conns).get(&ev.token()).cloned();
                 if let Some(conn) = conn {
                     let mut st = lock(&conn.state);
-                    if self.drain(&conn, &mut st, false) {
+                    if self.drain(&conn, &mut st, None) {
                         drop(st);
                         let _ = self.registry.deregister(&mut SourceFd(&conn.stream.as_raw_fd()));
                         self.ready.remove(conn.stream.as_raw_fd());
@@ -356,7 +383,17 @@ impl Reader {
     }
 
     /// Delivers every complete frame in `st`; `Ok(true)` on a goodbye.
-    fn parse(&self, peer: Rank, st: &mut ReadState) -> Result<bool, TransportError> {
+    ///
+    /// A polling application thread (`poller`, its output's flush) reads a large message
+    /// that a receive of its own waits for straight into the receive's memory
+    /// ([`Reader::land_here`]).
+    fn parse(
+        &self,
+        conn: &Inbound,
+        st: &mut ReadState,
+        poller: Option<&dyn Fn() -> bool>,
+    ) -> Result<bool, TransportError> {
+        let peer = conn.peer;
         let limits = FrameLimits { max_payload: self.max_payload, peer };
         loop {
             if let Some((h, big)) = &st.big {
@@ -396,6 +433,12 @@ impl Reader {
                 self.dispatch(peer, h, payload)?;
             } else {
                 st.buf.advance(HEADER_LEN);
+                if let (FrameKind::Data, Some(flush)) = (h.kind, poller) {
+                    if let Some(landed) = self.land_here(conn, st, h, len, flush) {
+                        landed?;
+                        continue;
+                    }
+                }
                 // The payload goes straight into the receiver's memory if a get or a
                 // receive waits for it there.
                 let mem = match h.kind {
@@ -410,6 +453,73 @@ impl Reader {
                 st.big = Some((h, big));
             }
         }
+    }
+
+    /// Reads the payload of a large data frame (header `h`, already consumed; `len`
+    /// bytes) straight into the memory of the receive that the calling thread waits for,
+    /// if that receive would take it ([`Mailbox::land_here`]); `None` otherwise.
+    ///
+    /// A blocking `recv_into` lends its memory only while its thread waits, so the
+    /// payload is read within this call: the bytes of it already read first, then the
+    /// socket, waiting for it to become readable (and writing this endpoint's queued
+    /// output with `flush` meanwhile: the peer may need it before it sends more). This
+    /// saves a copy of the whole payload: read into a buffer of its own, it would be
+    /// copied into the receive's memory afterwards. While the payload flows, the thread
+    /// reads on; once it stalls for [`LAND_STALL`], or stalls at all after [`LAND_FOR`]
+    /// (the thread must get back to its receive's deadline, and other connections wait
+    /// to be read), the rest goes on in a buffer of its own (`st.big`), with what came
+    /// so far copied there, delivered as any large frame. `Some(Err(..))` if the
+    /// connection failed: the receive fails as the peer's end is recorded.
+    fn land_here(
+        &self,
+        conn: &Inbound,
+        st: &mut ReadState,
+        h: FrameHeader,
+        len: usize,
+        flush: &dyn Fn() -> bool,
+    ) -> Option<Result<(), TransportError>> {
+        let fd = conn.stream.as_raw_fd();
+        self.mailbox.land_here(conn.peer, h.ctx, h.tag, len, |mem| {
+            let mut n = st.buf.len().min(len);
+            mem[..n].copy_from_slice(&st.buf[..n]);
+            st.buf.advance(n);
+            let start = Instant::now();
+            let mut last = start;
+            let failed = loop {
+                if n == len {
+                    return (true, Ok(()));
+                }
+                match crate::sys::recv_nonblocking(fd, &mut &mut mem[n..]) {
+                    Ok(Got { n: 0, .. }) => {
+                        break TransportError::io(conn.peer, std::io::ErrorKind::UnexpectedEof.into())
+                    }
+                    Ok(Got { n: got, .. }) => {
+                        n += got;
+                        st.received += got as u64;
+                        last = Instant::now();
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        let now = Instant::now();
+                        let left = LAND_STALL.saturating_sub(now - last).min(LAND_FOR.saturating_sub(now - start));
+                        if left.is_zero() {
+                            let mut rest = BytesMut::with_capacity(len);
+                            rest.extend_from_slice(&mem[..n]);
+                            st.big = Some((h, Big::Buf(rest)));
+                            return (false, Ok(()));
+                        }
+                        // With output still queued, only a look (and the flush again);
+                        // otherwise a wait until more comes.
+                        let queued = flush();
+                        if !crate::sys::wait_readable(fd, if queued { Duration::ZERO } else { left }) && queued {
+                            std::thread::yield_now();
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => break TransportError::io(conn.peer, e),
+                }
+            };
+            (false, Err(failed))
+        })
     }
 
     /// Hands one complete frame to where it goes.
@@ -446,25 +556,30 @@ impl Reader {
     /// Reads until `WouldBlock`, delivering complete frames. True once the connection
     /// has ended (goodbye, error, or bad frame).
     ///
-    /// A polling application thread (`stop_at_short`) stops at a short read instead: the
-    /// socket was empty then, and what arrives later raises a new edge for the progress
-    /// thread. The progress thread itself reads on to `WouldBlock`, since the edge it
+    /// A polling application thread (`poller`: its output's flush, see
+    /// [`Reader::parse`]) stops at a short read instead: the socket was empty then, and
+    /// what arrives later raises a new edge for the progress thread. The progress thread
+    /// itself reads on to `WouldBlock`, since the edge it
     /// was woken by may also stand for the peer's close arriving just behind the data.
-    fn drain(&self, conn: &Inbound, st: &mut ReadState, stop_at_short: bool) -> bool {
+    fn drain(&self, conn: &Inbound, st: &mut ReadState, poller: Option<&dyn Fn() -> bool>) -> bool {
         if conn.ended.load(Ordering::Acquire) {
             return true;
         }
         let fd = conn.stream.as_raw_fd();
         let mut drained = false;
         loop {
-            match self.parse(conn.peer, st) {
+            match self.parse(conn, st, poller) {
                 Ok(false) => {}
                 Ok(true) => return self.end(conn, st, Ok(())),
                 Err(e) => return self.end(conn, st, Err(e)),
             }
             // A short read emptied the socket: no `recv` that would only find nothing
             // (a whole system call on the polling thread's way back to its receiver).
-            if drained && stop_at_short {
+            // Nor does a thread whose receive has its message read on: what follows
+            // stays in the socket for the receive it posts next, which may then take it
+            // straight into its memory (or for the progress thread, which resumes when
+            // this one stops polling).
+            if poller.is_some() && (drained || self.mailbox.answered_here()) {
                 return false;
             }
             let read = match &mut st.big {

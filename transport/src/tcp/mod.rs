@@ -301,13 +301,21 @@ impl Inner {
 
     /// Flushes queued output and reads input on the calling thread.
     fn progress(&self) -> bool {
-        let mut moved = self.reader.progress();
+        let mut moved = self.reader.progress(&|| self.flush().1);
+        moved |= self.flush().0;
+        moved
+    }
+
+    /// Writes queued output on the calling thread: whether any moved, and whether some
+    /// is still queued.
+    fn flush(&self) -> (bool, bool) {
+        let mut moved = false;
         if self.pending.load(Ordering::Acquire) > 0 {
             for o in lock(&self.out).values() {
                 moved |= o.flush();
             }
         }
-        moved
+        (moved, self.pending.load(Ordering::Acquire) > 0)
     }
 
     fn wake_writers(&self) {
@@ -411,7 +419,7 @@ impl Transport for TcpTransport {
     }
 
     fn poll_end(&self, parking: bool) {
-        self.inner.reader.poll_end(parking);
+        self.inner.reader.poll_end(parking, &|| self.inner.flush().1);
         if parking {
             self.inner.wake_writers();
         }
