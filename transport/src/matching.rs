@@ -202,7 +202,6 @@ struct State {
     ended: HashMap<Rank, PeerEnd>,
     /// Receives claimed by backends and not yet completed, by source (see [`landed`]).
     claims: Vec<(Rank, std::sync::Weak<landed::ClaimReply>)>,
-    next_id: u64,
     closed: bool,
     /// Why receives fail at once while set, and the contexts spared (see
     /// [`Mailbox::interrupt`]).
@@ -271,11 +270,18 @@ impl State {
 
     /// Posts a receive; returns its id.
     fn push(&mut self, pattern: Pattern, reply: Reply) -> u64 {
-        let id = self.next_id;
-        self.next_id += 1;
+        let id = receive_id();
         self.posted.push_back(Posted { id, pattern, reply });
         id
     }
+}
+
+/// A receive's id, unique in the process: a thread's wait is known by its mailbox's
+/// address and this id (see [`here`]), and a mailbox dropped and another made at the same
+/// address must not give a later receive the key of an earlier one.
+fn receive_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Which contexts an interruption spares (see [`Mailbox::interrupt`]).
@@ -408,8 +414,7 @@ impl Mailbox {
     pub fn post_kept(&self, pattern: Pattern) -> Result<u64, TransportError> {
         let mut st = self.lock();
         if let Some(msg) = st.take_queued(&pattern)? {
-            let id = st.next_id;
-            st.next_id += 1;
+            let id = receive_id();
             st.kept.push((id, Ok(msg)));
             return Ok(id);
         }

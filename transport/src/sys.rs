@@ -40,9 +40,14 @@ pub(crate) fn recv_nonblocking(fd: RawFd, buf: &mut impl BufMut) -> std::io::Res
 /// so that the caller reads again and sees the error itself.
 pub(crate) fn wait_readable(fd: RawFd, timeout: std::time::Duration) -> bool {
     let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-    let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
-    // SAFETY: one valid pollfd that the call only reads and writes.
-    unsafe { libc::poll(&mut pfd, 1, ms) != 0 }
+    // `ppoll`, not `poll`: waits shorter than a millisecond.
+    let ts = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos()),
+    };
+    // SAFETY: one valid pollfd that the call reads and writes, a valid timeout it only
+    // reads, and no signal mask.
+    unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) != 0 }
 }
 
 /// A level-triggered `epoll` set: which of many sockets have something to read, asked

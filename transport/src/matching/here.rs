@@ -227,11 +227,22 @@ impl Mailbox {
                 return None;
             }
         }
+        // While `fill` holds the memory, the wait lends none: nothing that `fill` may do
+        // on this thread (a delivery, another landing) can reach it.
+        struct Lent((Key, Dest));
+        impl Drop for Lent {
+            fn drop(&mut self) {
+                WAITING.set(self.0);
+            }
+        }
+        let lent = Lent(WAITING.replace(((mailbox, id), NO_DEST)));
         // SAFETY: the memory lent by this thread's current wait, as in `land`: alive
         // for this whole call, which the wait's thread makes while it waits, and used
-        // by nothing else meanwhile; `fill` borrows it for its call only.
+        // by nothing else meanwhile (not lent while `fill` has it); `fill` borrows it for
+        // its call only.
         let mem = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
         let (filled, out) = fill(mem);
+        drop(lent);
         if filled {
             self.deliver_slice(src, ctx, tag, mem);
         }
@@ -689,10 +700,13 @@ mod tests {
             assert!(w.landed());
         }
         assert_eq!(&buf, b"new!");
-        let Ok(Err(_w)) = (unsafe { m.post_here_into(pat(Some(1), Some(5)), &waker, &mut buf) }) else {
+        // (From any source: a fence fails the receives that name the rank.)
+        // SAFETY: `_w` is dropped before `buf` is used again.
+        let Ok(Err(_w)) = (unsafe { m.post_here_into(pat(None, Some(5)), &waker, &mut buf) }) else {
             panic!("expected a posted receive")
         };
         m.fence(&[Rank(1)]);
+        assert!(m.land_here(Rank(2), Context(0), Tag(5), 4, |_| (false, ())).is_some());
         assert!(m.land_here(Rank(1), Context(0), Tag(5), 4, fill(b"gone")).is_none());
     }
 
@@ -706,20 +720,26 @@ mod tests {
             let Ok(Err(mut w)) = (unsafe { m.post_here_into(pat(Some(1), None), &waker, &mut buf) }) else {
                 panic!("expected a posted receive")
             };
-            // While the payload comes in, another message from the source (on another
-            // connection, say) answers the receive: the one read in place is queued
-            // whole, not lost, and the receive gets its own answer.
+            // While the payload comes in, other messages from the source (on another
+            // connection, say) come: the first answers the receive, on this thread, but
+            // not into the memory being filled (nor can another landing reach it).
             let landed = m.land_here(Rank(1), Context(0), Tag(5), 4, |mem| {
                 mem.copy_from_slice(b"mine");
+                assert!(m.land_here(Rank(1), Context(0), Tag(5), 4, |_| (true, ())).is_none());
+                m.deliver_slice(Rank(1), Context(0), Tag(7), b"lent");
                 std::thread::scope(|s| s.spawn(|| m.deliver(env(1, 6, b"them"))).join().unwrap());
+                assert!(w.arrived() && mem == b"mine");
                 (true, ())
             });
             assert_eq!(landed, Some(()));
-            assert!(!w.arrived());
+            // The receive has its answer, as bytes; the payload read in place is queued
+            // whole, in its place (it arrived last), not lost.
             let Poll::Ready(Ok(e)) = w.poll(&mut noop()) else { panic!("expected the message") };
-            assert!(!w.landed() && e.tag == Tag(6) && e.payload == b"them"[..]);
+            assert!(!w.landed() && e.tag == Tag(7) && e.payload == b"lent"[..]);
         }
-        let Ok(Ok(e)) = m.post_here(pat(Some(1), None), &waker) else { panic!("expected the queued message") };
-        assert_eq!((e.tag, &e.payload[..]), (Tag(5), &b"mine"[..]));
+        for (tag, body) in [(6, b"them"), (5, b"mine")] {
+            let Ok(Ok(e)) = m.post_here(pat(Some(1), None), &waker) else { panic!("expected a queued message") };
+            assert_eq!((e.tag, &e.payload[..]), (Tag(tag), &body[..]));
+        }
     }
 }

@@ -56,6 +56,8 @@ const GATE_TICK: Duration = Duration::from_millis(1);
 /// before it lets the rest come into a buffer of the frame's own (see
 /// [`Reader::land_here`]).
 const LAND_STALL: Duration = Duration::from_millis(10);
+/// How often such a thread writes its endpoint's queued output while it waits.
+const LAND_FLUSH: Duration = Duration::from_micros(50);
 /// After how long such a thread lets the rest go at the first wait for more.
 const LAND_FOR: Duration = Duration::from_millis(100);
 
@@ -507,12 +509,11 @@ impl Reader {
                             st.big = Some((h, Big::Buf(rest)));
                             return (false, Ok(()));
                         }
-                        // With output still queued, only a look (and the flush again);
-                        // otherwise a wait until more comes.
-                        let queued = flush();
-                        if !crate::sys::wait_readable(fd, if queued { Duration::ZERO } else { left }) && queued {
-                            std::thread::yield_now();
-                        }
+                        // With output still queued, a short wait and the flush again (the
+                        // peer may be reading it to make room for more); otherwise a wait
+                        // until more comes.
+                        let wait = if flush() { LAND_FLUSH.min(left) } else { left };
+                        crate::sys::wait_readable(fd, wait);
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                     Err(e) => break TransportError::io(conn.peer, e),
