@@ -255,15 +255,47 @@ fn check_recovered(s: &mut ductile::Session, rc: &ductile::Recovery, (n, step): 
     Ok(())
 }
 
-/// `late-exit RANK CODE`: every rank finalizes; then rank RANK waits half a second (the
-/// others have ended by then) and exits with CODE.
+/// `late-exit RANK CODE`: every rank finalizes; then rank RANK waits until the others
+/// have exited (at most 30 s), and half a second more for their agent to see it, and
+/// exits with CODE.
+///
+/// How it knows: every rank holds an exclusive `flock` on a file of its own, which the
+/// kernel releases when the process ends; rank RANK takes each of the others' in turn.
+/// (A fixed pause assumed the others ended within it, which a loaded machine need not
+/// do.)
 fn late_exit(args: &[String]) -> anyhow::Result<()> {
+    use nix::fcntl::{Flock, FlockArg};
     let who: usize = args.first().context("fault late-exit RANK CODE")?.parse()?;
     let code: i32 = args.get(1).context("fault late-exit RANK CODE")?.parse()?;
     let session = ductile::init()?;
-    let r = session.world().rank();
+    let world = session.world();
+    let (r, size) = (world.rank(), world.size());
+    let job = session.info().job;
+    let path = |k: usize| std::env::temp_dir().join(format!("ductile-late-exit-{job}-{k}"));
+    let mine = std::fs::File::create(path(r))?;
+    // Held until the process ends.
+    let _held = Flock::lock(mine, FlockArg::LockExclusive).map_err(|(_, e)| anyhow::anyhow!("flock: {e}"))?;
+    // Every lock is taken before rank RANK looks for them.
+    world.barrier()?;
     session.finalize()?;
     if r == who {
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        for k in (0..size).filter(|&k| k != r) {
+            let mut file = std::fs::File::open(path(k))?;
+            loop {
+                match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+                    Ok(_) => break,
+                    Err((f, _)) if std::time::Instant::now() < until => {
+                        file = f;
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                    }
+                    Err(_) => bail!("rank {k} did not exit within 30 s"),
+                }
+            }
+            std::fs::remove_file(path(k))?;
+        }
+        std::fs::remove_file(path(r))?;
+        // Time for their agent to see them end before it sees this one fail.
         std::thread::sleep(std::time::Duration::from_millis(500));
         std::process::exit(code);
     }
