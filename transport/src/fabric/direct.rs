@@ -19,10 +19,18 @@
 //! for it (a queued copy counts as a transfer in flight, so waiting threads keep
 //! polling), or the progress thread, which helps while the application polls. Each copy
 //! populates its fresh destination pages first (`ReadDest::populate`), so the threads
-//! making copies also fault pages in side by side. Where the kernel refuses
-//! such copies (`EPERM`, e.g. Yama's `ptrace_scope`; `ENOSYS`), the endpoint stops
-//! making them and reads with `fi_read` from then on, this copy first. A copy from an
-//! owner that has gone (`ESRCH`) or outside its memory (`EFAULT`) fails as a read would.
+//! making copies also fault pages in side by side.
+//!
+//! One kind of copy is made at once, where its announcement is read: a payload that a
+//! blocking receive waiting on the reading thread takes whole goes straight into that
+//! receive's memory (`Inner::land_in_place`), which is lent only within that thread's
+//! call, so a queued copy could not write into it; the handler then holds its receive
+//! slot and no lock that delivery takes.
+//!
+//! Where the kernel refuses such copies (`EPERM`, e.g. Yama's `ptrace_scope`; `ENOSYS`),
+//! the endpoint stops making them and reads with `fi_read` from then on, this copy
+//! first. A copy from an owner that has gone (`ESRCH`) or outside its memory (`EFAULT`)
+//! fails as a read would.
 //!
 //! Only over shm: a pid namespace's inode names it on one machine only (the initial
 //! namespace has the same inode everywhere), so a pid is trusted to name the owner only
@@ -66,6 +74,9 @@ pub(super) struct Direct {
     queued: AtomicUsize,
     /// Copies made (for the tests).
     copied: AtomicU64,
+    /// Messages copied straight into a receive's memory (for the tests; see
+    /// `Inner::land_in_place`).
+    landed: AtomicU64,
     /// The tests' stand-in for a kernel that refuses copies.
     #[cfg(test)]
     refuse: AtomicBool,
@@ -94,6 +105,7 @@ impl Direct {
             jobs: Mutex::new(VecDeque::new()),
             queued: AtomicUsize::new(0),
             copied: AtomicU64::new(0),
+            landed: AtomicU64::new(0),
             #[cfg(test)]
             refuse: AtomicBool::new(false),
         }
@@ -139,6 +151,20 @@ impl Direct {
         job
     }
 
+    /// Counts a message copied straight into a receive's memory.
+    pub(super) fn landed(&self) {
+        self.landed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The tests' stand-in for a kernel that refuses copies: `EPERM` while set.
+    #[cfg(test)]
+    pub(super) fn refusing(&self) -> std::io::Result<()> {
+        match self.refuse.load(Ordering::Relaxed) {
+            true => Err(std::io::Error::from_raw_os_error(libc::EPERM)),
+            false => Ok(()),
+        }
+    }
+
     /// Drops the queued copies (teardown: their transfers are abandoned).
     pub(super) fn clear(&self) {
         let mut q = lock(&self.jobs);
@@ -162,10 +188,7 @@ impl Inner {
         let Job { id, dest, range, pid, addr, src, key } = job;
         let copied = dest.copy_from_process(range, pid, addr);
         #[cfg(test)]
-        let copied = match self.direct.refuse.load(Ordering::Relaxed) {
-            true => Err(std::io::Error::from_raw_os_error(libc::EPERM)),
-            false => copied,
-        };
+        let copied = copied.and_then(|()| self.direct.refusing());
         match copied {
             Ok(()) => {
                 drop(dest);
@@ -300,6 +323,108 @@ mod tests {
         assert_eq!(direct.copied.load(Ordering::Relaxed), 0);
         assert!(!direct.on(), "no copies after a refusal");
         t1.withdraw(w).unwrap();
+        for (t, _) in &eps {
+            t.close().await;
+        }
+    }
+
+    type Answer = Result<(crate::matching::Envelope, bool), crate::TransportError>;
+
+    /// A blocking `recv_into` of `len` bytes from rank 1 with tag 4, on a thread of its
+    /// own that polls `ep` as a blocking call does, posted (and the progress thread
+    /// standing aside) before `ready` says so: the answer, whether the payload landed in
+    /// the receive's memory, and that memory.
+    fn receive_polling(
+        ep: crate::Endpoint,
+        len: usize,
+        ready: std::sync::mpsc::Sender<()>,
+    ) -> std::thread::JoinHandle<(Answer, Vec<u8>)> {
+        use crate::matching::{Pattern, SrcMatch, TagMatch};
+        use crate::{Context, Rank, Tag};
+        use std::task::Poll;
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; len];
+            let from = Pattern { ctx: Context(0), src: SrcMatch::Rank(Rank(1)), tag: TagMatch::Tag(Tag(4)) };
+            let got = {
+                // SAFETY: the wait is dropped (at the end of this block) before `buf` is used.
+                let posted = unsafe { ep.mailbox().post_here_into(from, std::task::Waker::noop(), &mut buf) };
+                let Ok(Err(mut w)) = posted else { panic!("expected a posted receive") };
+                ep.poll_begin();
+                // The progress thread notices within its nap that this one polls.
+                let start = std::time::Instant::now();
+                while start.elapsed() < std::time::Duration::from_millis(5) {
+                    ep.progress();
+                }
+                ready.send(()).unwrap();
+                let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+                let start = std::time::Instant::now();
+                loop {
+                    ep.progress();
+                    if let Poll::Ready(r) = w.poll(&mut cx) {
+                        ep.poll_end(false);
+                        break r.map(|e| (e, w.landed()));
+                    }
+                    assert!(start.elapsed() < std::time::Duration::from_secs(20), "no answer");
+                }
+            };
+            (got, buf)
+        })
+    }
+
+    /// Sends `data` from `from` to rank 0 with tag 4 once `ready` says a receive polls.
+    async fn send_when_ready(from: &crate::Endpoint, data: &bytes::Bytes, ready: std::sync::mpsc::Receiver<()>) {
+        use crate::{Context, Rank, Tag};
+        tokio::task::block_in_place(|| ready.recv()).unwrap();
+        from.send(Rank(0), Context(0), Tag(4), data.clone()).await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_blocking_receive_copies_a_rendezvous_payload_straight_into_its_memory() {
+        use crate::matching::{Pattern, SrcMatch, TagMatch};
+        use crate::{Context, Rank, Tag, Transport};
+        let Some(eps) = shm_pair() else { return };
+        let (t0, e0) = &eps[0];
+        let (_, e1) = &eps[1];
+        let chunk = t0.inner.chunk;
+        let data = bytes::Bytes::from((0..3 * chunk as u32 + 5).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
+        let small = bytes::Bytes::from_static(b"right behind it");
+        let counts =
+            || (t0.inner.direct.copied.load(Ordering::Relaxed), t0.inner.direct.landed.load(Ordering::Relaxed));
+        // The waiting thread copies it in place when it is the thread that reads the
+        // announcement; the progress thread may still be about when the receive is
+        // posted, so one of a few attempts must land.
+        let mut landed = 0;
+        for _ in 0..5 {
+            let before = counts();
+            let (ready, go) = std::sync::mpsc::channel();
+            let receiver = receive_polling(e0.clone(), data.len(), ready);
+            send_when_ready(e1, &data, go).await;
+            // A message right behind it in its stream comes after it.
+            e1.send(Rank(0), Context(0), Tag(4), small.clone()).await.unwrap();
+            let (got, buf) = receiver.join().unwrap();
+            let (env, in_place) = got.unwrap();
+            assert!(if in_place { buf[..] == data[..] } else { env.payload == data }, "the payload differs");
+            let from = Pattern { ctx: Context(0), src: SrcMatch::Rank(Rank(1)), tag: TagMatch::Tag(Tag(4)) };
+            assert_eq!(e0.recv(from, std::time::Duration::from_secs(20)).await.unwrap().payload, small);
+            let after = counts();
+            if in_place {
+                assert_eq!(after, (before.0, before.1 + 1), "one copy, straight into the receive's memory");
+                landed += 1;
+                break;
+            }
+        }
+        assert_eq!(landed, 1, "no payload was copied into the receive's memory in 5 attempts");
+        assert_eq!(e0.mailbox().queued(), 0);
+        // A copy the kernel refuses is read the usual way (then by fi_read), intact.
+        t0.inner.direct.refuse.store(true, Ordering::Relaxed);
+        let (ready, go) = std::sync::mpsc::channel();
+        let receiver = receive_polling(e0.clone(), data.len(), ready);
+        send_when_ready(e1, &data, go).await;
+        let (got, buf) = receiver.join().unwrap();
+        let (env, in_place) = got.unwrap();
+        assert!(if in_place { buf[..] == data[..] } else { env.payload == data }, "the refused payload differs");
+        assert!(!t0.inner.direct.on(), "a refused copy turns copies off");
+        assert_eq!(counts().1, 1, "nothing more counted as copied in place");
         for (t, _) in &eps {
             t.close().await;
         }

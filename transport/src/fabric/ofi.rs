@@ -25,7 +25,7 @@ mod slots;
 
 pub(super) use ep::Posted;
 pub(super) use info::{Attrs, Info};
-pub(super) use mem::{Owner, ReadDest, ReadMem, Registrar, Remote, RemoteKey};
+pub(super) use mem::{copy_from_process, Owner, ReadDest, ReadMem, Registrar, Remote, RemoteKey};
 pub(super) use ops::{lock, Op, Ops, Post, SendDone};
 pub(super) use slots::{RecvSlots, MAX_SLOTS};
 

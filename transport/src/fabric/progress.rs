@@ -70,7 +70,13 @@ impl Inner {
     /// True if anything completed.
     pub(super) fn progress_once(&self) -> bool {
         let mut entries = [std::mem::MaybeUninit::<Completion>::uninit(); BATCH];
-        let got = match self.ep.cq().read(&mut entries) {
+        // A thread whose receive lends memory reads one completion at a time, and its
+        // wait stops polling once it has its message: a rendezvous announcement behind
+        // that message stays in the queue for the next receive, which may take the
+        // payload straight into its memory (see `land_in_place`; as tcp's polling
+        // thread leaves the next frame in its socket).
+        let batch = if self.mailbox.lends_here() { 1 } else { BATCH };
+        let got = match self.ep.cq().read(&mut entries[..batch]) {
             Ok(done) => {
                 for c in done {
                     self.completed(c);
@@ -352,6 +358,18 @@ impl Inner {
             let why = format!("it announced a message of {len} bytes, over the cap of {cap}");
             return self.peer_ended(rank, PeerEnd::Lost, &why);
         };
+        // Its place in the stream is taken already if a copy into a receive's memory on
+        // this thread failed; it is then read as any other (which reports the failure).
+        let reserved = match &fill {
+            Fill::Read(region) if n > 0 && self.direct.copies(&region.owner) => {
+                match self.land_in_place(rank, (head, ctx, tag, id), n, region) {
+                    Some(true) => return,
+                    Some(false) => true,
+                    None => false,
+                }
+            }
+            _ => false,
+        };
         let claim = {
             let mut streams = lock(&self.streams);
             // A receive waiting for exactly this message gets it read straight into its
@@ -359,7 +377,7 @@ impl Inner {
             // (earlier messages still being read into receives of their own are fine:
             // they took the older receives).
             let claim = streams.may_claim(rank, head).then(|| self.mailbox.claim(rank, ctx, tag, len)).flatten();
-            if let Err(e) = streams.arrive(rank, head, None) {
+            if let Err(e) = if reserved { Ok(()) } else { streams.arrive(rank, head, None).map(drop) } {
                 drop((streams, claim));
                 return self.peer_ended(rank, PeerEnd::Lost, &e);
             }
@@ -394,6 +412,59 @@ impl Inner {
         };
         if let Err(e) = read {
             self.peer_ended(rank, PeerEnd::Lost, &format!("cannot read its message: {e}"));
+        }
+    }
+
+    /// Copies a rendezvous payload from its sender's memory (a direct copy, see
+    /// [`super::direct`]) straight into the memory of the receive that waits for it on
+    /// this thread, within this call, if that receive takes it (the oldest it matches,
+    /// lending exactly `n` bytes: [`crate::Mailbox::land_here`]) and it is the next
+    /// message of its stream with nothing before it pending, so that delivering it now
+    /// keeps the order (later ones wait behind it meanwhile). No buffer, and no second
+    /// copy into the receive's memory. (A blocking `recv_into` lends its memory only
+    /// while its thread waits, so the queued copies, which any polling thread makes
+    /// across calls, cannot write into it.)
+    ///
+    /// `Some(true)`: delivered, and its sender told; `Some(false)`: the copy failed
+    /// after the message took its place in the stream; `None`: not for a receive here,
+    /// or not next in its stream.
+    fn land_in_place(
+        &self,
+        rank: crate::ids::Rank,
+        (head, ctx, tag, id): (super::wire::Head, crate::Context, crate::Tag, u64),
+        n: usize,
+        region: &super::wire::Region,
+    ) -> Option<bool> {
+        enum Landing {
+            NotNext,
+            Copied,
+            Failed,
+            /// Its stream was forgotten meanwhile (the peer ended), as was the message.
+            Forgotten,
+        }
+        let landing = self.mailbox.land_here(rank, ctx, tag, n, |mem| {
+            if !lock(&self.streams).reserve_next(rank, head) {
+                return (false, Landing::NotNext);
+            }
+            let copied = super::ofi::copy_from_process(mem, region.owner.pid, region.addr);
+            #[cfg(test)]
+            let copied = copied.and_then(|()| self.direct.refusing());
+            match copied {
+                Err(_) => (false, Landing::Failed),
+                Ok(()) if !lock(&self.streams).is_reading(rank, head) => (false, Landing::Forgotten),
+                Ok(()) => (true, Landing::Copied),
+            }
+        })?;
+        match landing {
+            Landing::NotNext => None,
+            Landing::Failed => Some(false),
+            Landing::Forgotten => Some(true),
+            Landing::Copied => {
+                self.direct.landed();
+                self.reply(rank, &Msg::Fin { id });
+                self.arrive(rank, head, Some(Item::Claimed), true);
+                Some(true)
+            }
         }
     }
 

@@ -97,6 +97,28 @@ impl Streams {
         }
     }
 
+    /// If message `head` of `rank` is the next of its stream with nothing pending, takes
+    /// its place as a message being read (later ones wait behind it until it is
+    /// [`Streams::fill`]ed): true. False: nothing changed.
+    pub(super) fn reserve_next(&mut self, rank: Rank, head: Head) -> bool {
+        let s = match self.map.get_mut(&(rank, head.stream)) {
+            Some(s) if s.next == head.seq && s.pending.is_empty() => s,
+            None if head.seq == 0 => {
+                self.map.entry((rank, head.stream)).or_insert(Stream { rank, next: 0, pending: BTreeMap::new() })
+            }
+            _ => return false,
+        };
+        s.pending.insert(head.seq, Slot::Reading { claimed: false });
+        true
+    }
+
+    /// Whether message `head` of `rank` is being read (arrived, not yet filled, and its
+    /// stream not forgotten).
+    pub(super) fn is_reading(&self, rank: Rank, head: Head) -> bool {
+        let slot = self.map.get(&(rank, head.stream)).and_then(|s| s.pending.get(&head.seq));
+        matches!(slot, Some(Slot::Reading { .. }))
+    }
+
     /// Whether message `head` of `rank` may be handed to a receive now, before it is
     /// complete, keeping the order: every earlier message of its stream has arrived and
     /// is delivered, or is a rendezvous message handed to a receive already (those took

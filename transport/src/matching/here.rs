@@ -249,6 +249,14 @@ impl Mailbox {
         Some(out)
     }
 
+    /// Whether the calling thread waits on this mailbox for a receive that lends memory
+    /// ([`Mailbox::post_here_into`]; one load of a thread-local, for every poll).
+    #[must_use]
+    pub fn lends_here(&self) -> bool {
+        let ((mailbox, _), (ptr, _)) = WAITING.get();
+        !ptr.is_null() && mailbox == addr(self)
+    }
+
     /// Whether the receive the calling thread waits for on this mailbox has its message
     /// already, handed over on this thread (the thread polls in vain from here on: a
     /// backend may stop reading, and leave the next message where it is until a receive

@@ -25,6 +25,44 @@ use std::sync::{Arc, Mutex, PoisonError};
 /// Below this, a copy's destination is not populated first (see `ReadDest::populate`).
 const POPULATE_MIN: usize = 256 << 10;
 
+/// Copies `len` bytes at `addr` in the memory of process `pid` (same pid namespace) to
+/// `local`, with `process_vm_readv`: the kernel copies from the owner's pages to ours
+/// without either process's help.
+///
+/// # Errors
+/// The system call's: `EPERM` where the kernel or its policy forbids such reads,
+/// `ESRCH` if the process is gone, `EFAULT` for a range outside its memory.
+pub(in crate::fabric) fn copy_from_process(local: &mut [u8], pid: u32, addr: u64) -> std::io::Result<()> {
+    // SAFETY: the slice is memory of this process that only this call writes.
+    unsafe { read_process(local.as_mut_ptr(), local.len(), pid, addr) }
+}
+
+/// As [`copy_from_process`], into `len` bytes at `local`.
+///
+/// # Safety
+/// `local..local + len` is memory of this process that nothing else reads or writes
+/// during the call.
+unsafe fn read_process(local: *mut u8, len: usize, pid: u32, addr: u64) -> std::io::Result<()> {
+    let fault = || std::io::Error::from_raw_os_error(libc::EFAULT);
+    let pid = libc::pid_t::try_from(pid).map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
+    let mut done = 0usize;
+    while done < len {
+        let n = len - done;
+        let from = addr.checked_add(done as u64).and_then(|a| usize::try_from(a).ok()).ok_or_else(fault)?;
+        let here = libc::iovec { iov_base: local.wrapping_add(done).cast(), iov_len: n };
+        let remote = libc::iovec { iov_base: from as *mut c_void, iov_len: n };
+        // SAFETY: `here` is the caller's memory, written by nothing else meanwhile; the
+        // kernel checks `remote` against the other process's mappings.
+        let got = unsafe { libc::process_vm_readv(pid, &here, 1, &remote, 1, 0) };
+        match usize::try_from(got) {
+            Ok(0) => return Err(fault()),
+            Ok(k) => done += k,
+            Err(_) => return Err(std::io::Error::last_os_error()),
+        }
+    }
+    Ok(())
+}
+
 /// A registered memory region (it does not own the memory; its holder does).
 struct Mr {
     ptr: *mut sys::fid_mr,
@@ -333,25 +371,10 @@ impl ReadDest {
         if offset.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(fault());
         }
-        let pid = libc::pid_t::try_from(pid).map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
         self.populate(offset, len);
-        let mut done = 0usize;
-        while done < len {
-            let n = len - done;
-            let from = addr.checked_add(done as u64).and_then(|a| usize::try_from(a).ok()).ok_or_else(fault)?;
-            let local = libc::iovec { iov_base: self.base.wrapping_add(offset + done).cast(), iov_len: n };
-            let remote = libc::iovec { iov_base: from as *mut c_void, iov_len: n };
-            // SAFETY: `local` lies within the destination (checked above), in a range
-            // nothing else writes while this copy is its only read (see the `Sync`
-            // impl); the kernel checks `remote` against the other process's mappings.
-            let got = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
-            match usize::try_from(got) {
-                Ok(0) => return Err(fault()),
-                Ok(k) => done += k,
-                Err(_) => return Err(std::io::Error::last_os_error()),
-            }
-        }
-        Ok(())
+        // SAFETY: the range lies within the destination (checked above), and nothing
+        // else writes it while this copy is its only read (see the `Sync` impl).
+        unsafe { read_process(self.base.wrapping_add(offset), len, pid, addr) }
     }
 
     /// Faults in the whole pages of bytes `offset..offset + len` (within bounds, at
