@@ -18,19 +18,20 @@
 //! ([`Inner::run_direct`]), by whichever thread polls: an application thread waiting
 //! for it (a queued copy counts as a transfer in flight, so waiting threads keep
 //! polling), or the progress thread, which helps while the application polls. Each copy
-//! populates its fresh destination pages first (`ReadDest::populate`), so the threads
-//! making copies also fault pages in side by side.
+//! populates its fresh destination pages first (`populate` in `ofi/mem.rs`), so the
+//! threads making copies also fault pages in side by side.
 //!
 //! One kind of copy is made at once, where its announcement is read: a payload that a
 //! blocking receive waiting on the reading thread takes whole goes straight into that
 //! receive's memory (`Inner::land_in_place`), which is lent only within that thread's
-//! call, so a queued copy could not write into it; the handler then holds its receive
-//! slot and no lock that delivery takes.
+//! call, so a queued copy could not write into it; the handler holds nothing but its
+//! receive slot while it copies. If that copy fails, the payload is read again the
+//! usual way, by queued copies.
 //!
-//! Where the kernel refuses such copies (`EPERM`, e.g. Yama's `ptrace_scope`; `ENOSYS`),
-//! the endpoint stops making them and reads with `fi_read` from then on, this copy
-//! first. A copy from an owner that has gone (`ESRCH`) or outside its memory (`EFAULT`)
-//! fails as a read would.
+//! Where the kernel refuses queued copies (`EPERM`, e.g. Yama's `ptrace_scope`;
+//! `ENOSYS`), the endpoint stops making them and reads with `fi_read` from then on, this
+//! copy first. A copy from an owner that has gone (`ESRCH`) or outside its memory
+//! (`EFAULT`) fails as a read would.
 //!
 //! Only over shm: a pid namespace's inode names it on one machine only (the initial
 //! namespace has the same inode everywhere), so a pid is trusted to name the owner only
@@ -74,12 +75,16 @@ pub(super) struct Direct {
     queued: AtomicUsize,
     /// Copies made (for the tests).
     copied: AtomicU64,
-    /// Messages copied straight into a receive's memory (for the tests; see
-    /// `Inner::land_in_place`).
+    /// Messages copied straight into a receive's memory, and copies of that kind that
+    /// failed (for the tests; see `Inner::land_in_place`).
     landed: AtomicU64,
+    land_failed: AtomicU64,
     /// The tests' stand-in for a kernel that refuses copies.
     #[cfg(test)]
     refuse: AtomicBool,
+    /// The tests' stand-in for a copy into a receive's memory that fails.
+    #[cfg(test)]
+    fail_in_place: AtomicBool,
 }
 
 /// Whether direct copies are offered over the provider `provider`, as asked by
@@ -106,8 +111,11 @@ impl Direct {
             queued: AtomicUsize::new(0),
             copied: AtomicU64::new(0),
             landed: AtomicU64::new(0),
+            land_failed: AtomicU64::new(0),
             #[cfg(test)]
             refuse: AtomicBool::new(false),
+            #[cfg(test)]
+            fail_in_place: AtomicBool::new(false),
         }
     }
 
@@ -151,16 +159,20 @@ impl Direct {
         job
     }
 
-    /// Counts a message copied straight into a receive's memory.
-    pub(super) fn landed(&self) {
-        self.landed.fetch_add(1, Ordering::Relaxed);
+    /// Counts a message copied straight into a receive's memory (`ok`), or a failed copy
+    /// of that kind.
+    pub(super) fn landed(&self, ok: bool) {
+        let count = if ok { &self.landed } else { &self.land_failed };
+        count.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The tests' stand-in for a kernel that refuses copies: `EPERM` while set.
+    /// The tests' stand-in for a kernel that refuses copies (`EPERM`), or, `in_place`,
+    /// for a copy into a receive's memory that fails (`EFAULT`), while asked to.
     #[cfg(test)]
-    pub(super) fn refusing(&self) -> std::io::Result<()> {
-        match self.refuse.load(Ordering::Relaxed) {
-            true => Err(std::io::Error::from_raw_os_error(libc::EPERM)),
+    pub(super) fn refusing(&self, in_place: bool) -> std::io::Result<()> {
+        let (flag, errno) = if in_place { (&self.fail_in_place, libc::EFAULT) } else { (&self.refuse, libc::EPERM) };
+        match flag.load(Ordering::Relaxed) {
+            true => Err(std::io::Error::from_raw_os_error(errno)),
             false => Ok(()),
         }
     }
@@ -188,7 +200,7 @@ impl Inner {
         let Job { id, dest, range, pid, addr, src, key } = job;
         let copied = dest.copy_from_process(range, pid, addr);
         #[cfg(test)]
-        let copied = copied.and_then(|()| self.direct.refusing());
+        let copied = copied.and_then(|()| self.direct.refusing(false));
         match copied {
             Ok(()) => {
                 drop(dest);
@@ -371,60 +383,68 @@ mod tests {
         })
     }
 
-    /// Sends `data` from `from` to rank 0 with tag 4 once `ready` says a receive polls.
-    async fn send_when_ready(from: &crate::Endpoint, data: &bytes::Bytes, ready: std::sync::mpsc::Receiver<()>) {
+    /// A blocking `recv_into` of `data` on rank 0 (see [`receive_polling`]), sent by
+    /// rank 1 once the receive polls, with a small message right behind it in its
+    /// stream, which must come after it: whether the payload landed in the receive's
+    /// memory.
+    async fn receive_with_one_behind(e0: &crate::Endpoint, e1: &crate::Endpoint, data: &bytes::Bytes) -> bool {
+        use crate::matching::{Pattern, SrcMatch, TagMatch};
         use crate::{Context, Rank, Tag};
-        tokio::task::block_in_place(|| ready.recv()).unwrap();
-        from.send(Rank(0), Context(0), Tag(4), data.clone()).await.unwrap();
+        let small = bytes::Bytes::from_static(b"right behind it");
+        let (ready, go) = std::sync::mpsc::channel();
+        let receiver = receive_polling(e0.clone(), data.len(), ready);
+        tokio::task::block_in_place(|| go.recv()).unwrap();
+        e1.send(Rank(0), Context(0), Tag(4), data.clone()).await.unwrap();
+        e1.send(Rank(0), Context(0), Tag(4), small.clone()).await.unwrap();
+        let (got, buf) = receiver.join().unwrap();
+        let (env, in_place) = got.unwrap();
+        assert!(if in_place { buf[..] == data[..] } else { env.payload == *data }, "the payload differs");
+        let from = Pattern { ctx: Context(0), src: SrcMatch::Rank(Rank(1)), tag: TagMatch::Tag(Tag(4)) };
+        assert_eq!(e0.recv(from, std::time::Duration::from_secs(20)).await.unwrap().payload, small);
+        assert_eq!(e0.mailbox().queued(), 0);
+        in_place
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_blocking_receive_copies_a_rendezvous_payload_straight_into_its_memory() {
-        use crate::matching::{Pattern, SrcMatch, TagMatch};
-        use crate::{Context, Rank, Tag, Transport};
+        use crate::Transport;
         let Some(eps) = shm_pair() else { return };
         let (t0, e0) = &eps[0];
         let (_, e1) = &eps[1];
-        let chunk = t0.inner.chunk;
-        let data = bytes::Bytes::from((0..3 * chunk as u32 + 5).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
-        let small = bytes::Bytes::from_static(b"right behind it");
-        let counts =
-            || (t0.inner.direct.copied.load(Ordering::Relaxed), t0.inner.direct.landed.load(Ordering::Relaxed));
-        // The waiting thread copies it in place when it is the thread that reads the
-        // announcement; the progress thread may still be about when the receive is
-        // posted, so one of a few attempts must land.
-        let mut landed = 0;
+        let direct = &t0.inner.direct;
+        let data = bytes::Bytes::from((0..3 * t0.inner.chunk as u32 + 5).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
+        let counts = || {
+            let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            (c(&direct.copied), c(&direct.landed), c(&direct.land_failed))
+        };
+        // The waiting thread copies the payload in place when it is the thread that
+        // reads the announcement; the progress thread may still be about when the
+        // receive is posted, so one of a few attempts must land, as one copy.
+        let mut landed = false;
         for _ in 0..5 {
             let before = counts();
-            let (ready, go) = std::sync::mpsc::channel();
-            let receiver = receive_polling(e0.clone(), data.len(), ready);
-            send_when_ready(e1, &data, go).await;
-            // A message right behind it in its stream comes after it.
-            e1.send(Rank(0), Context(0), Tag(4), small.clone()).await.unwrap();
-            let (got, buf) = receiver.join().unwrap();
-            let (env, in_place) = got.unwrap();
-            assert!(if in_place { buf[..] == data[..] } else { env.payload == data }, "the payload differs");
-            let from = Pattern { ctx: Context(0), src: SrcMatch::Rank(Rank(1)), tag: TagMatch::Tag(Tag(4)) };
-            assert_eq!(e0.recv(from, std::time::Duration::from_secs(20)).await.unwrap().payload, small);
-            let after = counts();
-            if in_place {
-                assert_eq!(after, (before.0, before.1 + 1), "one copy, straight into the receive's memory");
-                landed += 1;
+            let in_place = receive_with_one_behind(e0, e1, &data).await;
+            landed = in_place && counts() == (before.0, before.1 + 1, before.2);
+            if landed {
                 break;
             }
         }
-        assert_eq!(landed, 1, "no payload was copied into the receive's memory in 5 attempts");
-        assert_eq!(e0.mailbox().queued(), 0);
-        // A copy the kernel refuses is read the usual way (then by fi_read), intact.
-        t0.inner.direct.refuse.store(true, Ordering::Relaxed);
-        let (ready, go) = std::sync::mpsc::channel();
-        let receiver = receive_polling(e0.clone(), data.len(), ready);
-        send_when_ready(e1, &data, go).await;
-        let (got, buf) = receiver.join().unwrap();
-        let (env, in_place) = got.unwrap();
-        assert!(if in_place { buf[..] == data[..] } else { env.payload == data }, "the refused payload differs");
-        assert!(!t0.inner.direct.on(), "a refused copy turns copies off");
-        assert_eq!(counts().1, 1, "nothing more counted as copied in place");
+        assert!(landed, "no payload was copied into the receive's memory in 5 attempts");
+        // A copy into the receive's memory that fails (after the message took its place
+        // in its stream) is made again the usual way, by queued copies: the receive gets
+        // the payload intact, and the message behind it after it.
+        direct.fail_in_place.store(true, Ordering::Relaxed);
+        let mut fell_back = false;
+        for _ in 0..5 {
+            let before = counts();
+            receive_with_one_behind(e0, e1, &data).await;
+            let after = counts();
+            fell_back = after.2 > before.2 && after.0 > before.0 && after.1 == before.1;
+            if fell_back {
+                break;
+            }
+        }
+        assert!(fell_back, "no failed copy into the receive's memory was read again in 5 attempts");
         for (t, _) in &eps {
             t.close().await;
         }

@@ -36,7 +36,8 @@ const TICK: Duration = Duration::from_millis(100);
 const STAND_ASIDE: Duration = Duration::from_micros(1000);
 /// Empty polls before the progress thread starts to wait.
 const SPIN: u32 = 64;
-/// Completions read at once.
+/// Completions read at once (one by a thread whose receive lends memory for a
+/// rendezvous payload: see [`Inner::progress_once`]).
 const BATCH: usize = 32;
 
 /// How a rendezvous message's payload comes.
@@ -75,7 +76,9 @@ impl Inner {
         // that message stays in the queue for the next receive, which may take the
         // payload straight into its memory (see `land_in_place`; as tcp's polling
         // thread leaves the next frame in its socket).
-        let batch = if self.mailbox.lends_here() { 1 } else { BATCH };
+        // Only a receive of more than the eager size can take a rendezvous payload; one of
+        // less (as a small message's) reads whole batches, leaving nothing behind.
+        let batch = if self.mailbox.lent_here() > self.eager { 1 } else { BATCH };
         let got = match self.ep.cq().read(&mut entries[..batch]) {
             Ok(done) => {
                 for c in done {
@@ -359,7 +362,8 @@ impl Inner {
             return self.peer_ended(rank, PeerEnd::Lost, &why);
         };
         // Its place in the stream is taken already if a copy into a receive's memory on
-        // this thread failed; it is then read as any other (which reports the failure).
+        // this thread failed; it is then read as any other (a queued copy, which reports
+        // the failure, or reads by `fi_read` where the kernel refused).
         let reserved = match &fill {
             Fill::Read(region) if n > 0 && self.direct.copies(&region.owner) => {
                 match self.land_in_place(rank, (head, ctx, tag, id), n, region) {
@@ -423,11 +427,14 @@ impl Inner {
     /// keeps the order (later ones wait behind it meanwhile). No buffer, and no second
     /// copy into the receive's memory. (A blocking `recv_into` lends its memory only
     /// while its thread waits, so the queued copies, which any polling thread makes
-    /// across calls, cannot write into it.)
+    /// across calls, cannot write into it.) The message is delivered under the streams
+    /// lock, as every message is: a peer's end, which forgets its streams under that
+    /// lock, comes wholly before or after it.
     ///
-    /// `Some(true)`: delivered, and its sender told; `Some(false)`: the copy failed
-    /// after the message took its place in the stream; `None`: not for a receive here,
-    /// or not next in its stream.
+    /// `Some(true)`: done with (delivered and its sender told, or dropped with its
+    /// stream, the peer having ended meanwhile); `Some(false)`: the copy failed after
+    /// the message took its place in the stream; `None`: not for a receive here, or
+    /// not next in its stream.
     fn land_in_place(
         &self,
         rank: crate::ids::Rank,
@@ -435,9 +442,10 @@ impl Inner {
         n: usize,
         region: &super::wire::Region,
     ) -> Option<bool> {
-        enum Landing {
+        enum Landing<'a> {
             NotNext,
-            Copied,
+            /// Copied, and delivered by `land_here` under this lock.
+            Copied(std::sync::MutexGuard<'a, super::stream::Streams>),
             Failed,
             /// Its stream was forgotten meanwhile (the peer ended), as was the message.
             Forgotten,
@@ -448,21 +456,31 @@ impl Inner {
             }
             let copied = super::ofi::copy_from_process(mem, region.owner.pid, region.addr);
             #[cfg(test)]
-            let copied = copied.and_then(|()| self.direct.refusing());
-            match copied {
-                Err(_) => (false, Landing::Failed),
-                Ok(()) if !lock(&self.streams).is_reading(rank, head) => (false, Landing::Forgotten),
-                Ok(()) => (true, Landing::Copied),
+            let copied = copied.and_then(|()| self.direct.refusing(true));
+            if let Err(e) = copied {
+                tracing::debug!(
+                    "{}: copying a message from {rank} in place failed ({e}); reading it again",
+                    self.me.rank
+                );
+                return (false, Landing::Failed);
+            }
+            let streams = lock(&self.streams);
+            match streams.is_reading(rank, head) {
+                true => (true, Landing::Copied(streams)),
+                false => (false, Landing::Forgotten),
             }
         })?;
         match landing {
             Landing::NotNext => None,
-            Landing::Failed => Some(false),
+            Landing::Failed => {
+                self.direct.landed(false);
+                Some(false)
+            }
             Landing::Forgotten => Some(true),
-            Landing::Copied => {
-                self.direct.landed();
+            Landing::Copied(streams) => {
+                self.direct.landed(true);
+                self.arrive_locked(streams, rank, head, Some(Item::Claimed), true);
                 self.reply(rank, &Msg::Fin { id });
-                self.arrive(rank, head, Some(Item::Claimed), true);
                 Some(true)
             }
         }

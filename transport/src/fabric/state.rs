@@ -303,7 +303,7 @@ impl Inner {
         self.arrive_locked(streams, rank, head, Some(Item::Data { ctx, tag, payload }), false);
     }
 
-    fn arrive_locked(
+    pub(super) fn arrive_locked(
         &self,
         mut streams: std::sync::MutexGuard<'_, Streams>,
         rank: Rank,

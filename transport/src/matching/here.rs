@@ -249,12 +249,17 @@ impl Mailbox {
         Some(out)
     }
 
-    /// Whether the calling thread waits on this mailbox for a receive that lends memory
-    /// ([`Mailbox::post_here_into`]; one load of a thread-local, for every poll).
+    /// How many bytes the receive the calling thread waits for on this mailbox lends
+    /// ([`Mailbox::post_here_into`]; 0 for none): one load of a thread-local, for every
+    /// poll.
     #[must_use]
-    pub fn lends_here(&self) -> bool {
-        let ((mailbox, _), (ptr, _)) = WAITING.get();
-        !ptr.is_null() && mailbox == addr(self)
+    pub fn lent_here(&self) -> usize {
+        let ((mailbox, _), (ptr, len)) = WAITING.get();
+        if ptr.is_null() || mailbox != addr(self) {
+            0
+        } else {
+            len
+        }
     }
 
     /// Whether the receive the calling thread waits for on this mailbox has its message

@@ -22,12 +22,12 @@ use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-/// Below this, a copy's destination is not populated first (see `ReadDest::populate`).
+/// Below this, a copy's destination is not populated first (see [`populate`]).
 const POPULATE_MIN: usize = 256 << 10;
 
-/// Copies `len` bytes at `addr` in the memory of process `pid` (same pid namespace) to
-/// `local`, with `process_vm_readv`: the kernel copies from the owner's pages to ours
-/// without either process's help.
+/// Fills `local` with as many bytes at `addr` in the memory of process `pid` (same pid
+/// namespace), with `process_vm_readv`: the kernel copies from the owner's pages to
+/// ours without either process's help.
 ///
 /// # Errors
 /// The system call's: `EPERM` where the kernel or its policy forbids such reads,
@@ -37,13 +37,16 @@ pub(in crate::fabric) fn copy_from_process(local: &mut [u8], pid: u32, addr: u64
     unsafe { read_process(local.as_mut_ptr(), local.len(), pid, addr) }
 }
 
-/// As [`copy_from_process`], into `len` bytes at `local`.
+/// As [`copy_from_process`], into the `len` bytes at `local`, which it populates first
+/// (see [`populate`]).
 ///
 /// # Safety
 /// `local..local + len` is memory of this process that nothing else reads or writes
 /// during the call.
 unsafe fn read_process(local: *mut u8, len: usize, pid: u32, addr: u64) -> std::io::Result<()> {
     let fault = || std::io::Error::from_raw_os_error(libc::EFAULT);
+    // SAFETY: forwarded from the caller.
+    unsafe { populate(local, len) };
     let pid = libc::pid_t::try_from(pid).map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
     let mut done = 0usize;
     while done < len {
@@ -61,6 +64,39 @@ unsafe fn read_process(local: *mut u8, len: usize, pid: u32, addr: u64) -> std::
         }
     }
     Ok(())
+}
+
+/// Faults in the whole pages of the `len` bytes at `at` (at least [`POPULATE_MIN`] of
+/// them) in one call (`MADV_POPULATE_WRITE`, Linux 5.14; where it is refused the copy
+/// takes the faults), if they are fresh: a copy into fresh memory then takes no fault
+/// per page, and the threads making copies populate in parallel. (Redistribution over
+/// shm, 4→1 by gets, GB/s, medians of 3: populated by the application before each get
+/// 2.46, by the copies 3.37.) Memory whose first page is already there is taken as warm
+/// and left alone: populating present pages still walks them, and made 4 MiB gets into
+/// reused buffers 60 % slower (433 against 268 µs, medians of 5).
+///
+/// # Safety
+/// The bytes are memory of this process that only the caller writes meanwhile.
+unsafe fn populate(at: *mut u8, len: usize) {
+    if len < POPULATE_MIN {
+        return;
+    }
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1);
+    let at = at as usize;
+    let (start, end) = (at.next_multiple_of(page), (at + len) / page * page);
+    if end <= start {
+        return;
+    }
+    let mut resident = 0u8;
+    // SAFETY: one whole page inside the caller's memory, mapped memory of this process;
+    // `resident` receives the one byte mincore writes for it.
+    let rc = unsafe { libc::mincore(start as *mut c_void, page, &mut resident) };
+    if rc == 0 && resident & 1 == 0 {
+        // SAFETY: [start, end) lies inside the caller's memory, which only the caller
+        // writes; populating leaves its bytes unchanged.
+        let _ = unsafe { libc::madvise(start as *mut c_void, end - start, libc::MADV_POPULATE_WRITE) };
+    }
 }
 
 /// A registered memory region (it does not own the memory; its holder does).
@@ -371,41 +407,9 @@ impl ReadDest {
         if offset.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(fault());
         }
-        self.populate(offset, len);
         // SAFETY: the range lies within the destination (checked above), and nothing
         // else writes it while this copy is its only read (see the `Sync` impl).
         unsafe { read_process(self.base.wrapping_add(offset), len, pid, addr) }
-    }
-
-    /// Faults in the whole pages of bytes `offset..offset + len` (within bounds, at
-    /// least [`POPULATE_MIN`] of them) in one call (`MADV_POPULATE_WRITE`, Linux 5.14;
-    /// where it is refused the copy takes the faults), if they are fresh: the copies
-    /// into fresh memory then take no fault per page, and the threads making copies
-    /// populate in parallel. (Redistribution over shm, 4→1 by gets, GB/s, medians of 3:
-    /// populated by the application before each get 2.46, by the copies 3.37.) Memory
-    /// whose first page is already there is taken as warm and left alone: populating
-    /// present pages still walks them, and made 4 MiB gets into reused buffers 60 %
-    /// slower (433 against 268 µs, medians of 5).
-    fn populate(&self, offset: usize, len: usize) {
-        if len < POPULATE_MIN {
-            return;
-        }
-        // SAFETY: sysconf has no preconditions.
-        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1);
-        let at = self.base as usize + offset;
-        let (start, end) = (at.next_multiple_of(page), (at + len) / page * page);
-        if end <= start {
-            return;
-        }
-        let mut resident = 0u8;
-        // SAFETY: one whole page inside the destination, mapped memory of this process;
-        // `resident` receives the one byte mincore writes for it.
-        let rc = unsafe { libc::mincore(start as *mut c_void, page, &mut resident) };
-        if rc == 0 && resident & 1 == 0 {
-            // SAFETY: [start, end) lies inside the destination, memory of this process
-            // that only this copy writes; populating leaves its bytes unchanged.
-            let _ = unsafe { libc::madvise(start as *mut c_void, end - start, libc::MADV_POPULATE_WRITE) };
-        }
     }
 
     /// The address of byte `offset` of `len` (within bounds) and the descriptor.
