@@ -91,7 +91,9 @@ fn hello_ring_and_allreduce_over_every_transport() {
         let out = job(&t, &["-n", "4", "--nodes", "2"], "ring", &["5"], "t-ring.json");
         assert!(out.contains("token went around 5 times and reads 20"), "{t:?}: {out}");
         // A token of 2 MiB, received in place and checked word by word (quic delivers
-        // it in pieces, which the receiver copies into its memory).
+        // it in pieces, which the receiver copies into its memory; tcp reads it, and
+        // fabric over shm copies it from the sender's memory, straight into the
+        // memory of the receive that waits for it).
         let out = job(&t, &["-n", "3", "--nodes", "3"], "ring", &["20", "262144"], "t-ring.json");
         assert!(out.contains("token went around 20 times and reads 60"), "{t:?}: {out}");
         let out = job(&t, &["-n", "4", "--nodes", "4"], "allreduce", &["100000"], "t-allreduce.json");
