@@ -58,6 +58,11 @@ const GATE_TICK: Duration = Duration::from_millis(1);
 const LAND_STALL: Duration = Duration::from_millis(10);
 /// How often such a thread writes its endpoint's queued output while it waits.
 const LAND_FLUSH: Duration = Duration::from_micros(50);
+/// How long such a thread tries its read again at once, after the last bytes came,
+/// before it waits in the kernel for more. (4 MiB messages streamed into one receive
+/// buffer, on a 2-vCPU AMD EPYC guest, alternating jobs, GiB/s: 3.80-4.32 waiting at
+/// once, 6.88-8.24 after 50 µs, 6.00-9.84 after 200 µs, 6.41-7.85 after 1 ms.)
+const LAND_SPIN: Duration = Duration::from_micros(100);
 /// After how long such a thread lets the rest go at the first wait for more.
 const LAND_FOR: Duration = Duration::from_millis(100);
 
@@ -487,6 +492,7 @@ impl Reader {
             st.buf.advance(n);
             let start = Instant::now();
             let mut last = start;
+            let mut spins = 0u32;
             let failed = loop {
                 if n == len {
                     return (true, Ok(()));
@@ -509,10 +515,22 @@ impl Reader {
                             st.big = Some((h, Big::Buf(rest)));
                             return (false, Ok(()));
                         }
+                        let queued = flush();
+                        // More comes within microseconds while the peer writes: the read is
+                        // tried again at once (yielding now and then to a peer that shares
+                        // the core) before the thread waits in the kernel, whose wake-up
+                        // costs more than a socket's worth of copying in a VM.
+                        if now - last < LAND_SPIN {
+                            spins = spins.wrapping_add(1);
+                            if spins.is_multiple_of(16) {
+                                std::thread::yield_now();
+                            }
+                            continue;
+                        }
                         // With output still queued, a short wait and the flush again (the
                         // peer may be reading it to make room for more); otherwise a wait
                         // until more comes.
-                        let wait = if flush() { LAND_FLUSH.min(left) } else { left };
+                        let wait = if queued { LAND_FLUSH.min(left) } else { left };
                         crate::sys::wait_readable(fd, wait);
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
