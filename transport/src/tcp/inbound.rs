@@ -518,8 +518,9 @@ impl Reader {
                         let queued = flush();
                         // More comes within microseconds while the peer writes: the read is
                         // tried again at once (yielding now and then to a peer that shares
-                        // the core) before the thread waits in the kernel, whose wake-up
-                        // costs more than a socket's worth of copying in a VM.
+                        // the core) before the thread waits in the kernel, where being
+                        // woken again can take longer than the next bytes (see
+                        // `LAND_SPIN`).
                         if now - last < LAND_SPIN {
                             spins = spins.wrapping_add(1);
                             if spins.is_multiple_of(16) {
