@@ -76,9 +76,10 @@ impl Inner {
         // that message stays in the queue for the next receive, which may take the
         // payload straight into its memory (see `land_in_place`; as tcp's polling
         // thread leaves the next frame in its socket).
-        // Only a receive of more than the eager size can take a rendezvous payload; one of
-        // less (as a small message's) reads whole batches, leaving nothing behind.
-        let batch = if self.mailbox.lent_here() > self.eager { 1 } else { BATCH };
+        // Only a receive of a message past the eager size (as `Inner::send` decides) can
+        // take a rendezvous payload; one of less (as a small message's) reads whole
+        // batches, leaving nothing behind.
+        let batch = if self.mailbox.lent_here().saturating_add(DATA_HEADER) > self.eager { 1 } else { BATCH };
         let got = match self.ep.cq().read(&mut entries[..batch]) {
             Ok(done) => {
                 for c in done {
