@@ -15,7 +15,10 @@
 //! process that is rank DIES at step AT exits with code 3 (`none`: no one does; a test
 //! kills a node instead) and the others recover, checking their data (see [`recover`]);
 //! `fault late-exit RANK CODE` makes every rank finalize, then rank RANK exit with CODE
-//! after the others have ended.
+//! after the others have ended; `fault leave-late KEEP [quiet]` (for a policy that
+//! shrinks to KEEP processes at the first checkpoint) makes every rank from KEEP on
+//! print its pid and wait 60 s before that checkpoint, for a test to kill it as it
+//! leaves (see [`leave_late`]).
 //! The launcher must
 //! end the job either way (first failing rank's code, or Ctrl-C / `--timeout`), leaving
 //! no process behind.
@@ -52,6 +55,10 @@ fn main() -> anyhow::Result<()> {
             }
         }
         return Ok(session.finalize()?);
+    }
+    if args.first().map(String::as_str) == Some("leave-late") {
+        let keep: usize = args.get(1).context("fault leave-late KEEP [quiet]")?.parse()?;
+        return leave_late(session, keep, args.get(2).is_some_and(|a| a == "quiet"));
     }
     let world = session.world();
     let r = world.rank();
@@ -99,7 +106,7 @@ fn main() -> anyhow::Result<()> {
             world.barrier()?;
         }
         _ => bail!(
-            "usage: fault exit RANK CODE | fault hang | fault chatter | fault signals | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS | fault recover DIES AT STEPS PAUSE_MS [ELEMENTS] | fault late-exit RANK CODE"
+            "usage: fault exit RANK CODE | fault hang | fault chatter | fault signals | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS | fault recover DIES AT STEPS PAUSE_MS [ELEMENTS] | fault late-exit RANK CODE | fault leave-late KEEP [quiet]"
         ),
     }
     session.finalize()?;
@@ -300,4 +307,31 @@ fn late_exit(args: &[String]) -> anyhow::Result<()> {
         std::process::exit(code);
     }
     Ok(())
+}
+
+/// `leave-late KEEP [quiet]`: every process first sends every other one a value, so
+/// that each has heard from each and its transport sees any of them end (not with
+/// `quiet`: then none has heard from any). Ranks from KEEP on then print their pid and
+/// wait 60 s before the first checkpoint, where the shrink to KEEP waits for them: a
+/// test kills one of them there, before it has handed anything over. The others finish
+/// the shrink and end well, if they can.
+fn leave_late(mut session: ductile::Session, keep: usize, quiet: bool) -> anyhow::Result<()> {
+    let world = session.world();
+    let r = world.rank();
+    if !quiet {
+        let n = world.size();
+        let values: Vec<Vec<u64>> = (0..n).map(|k| vec![(r * n + k) as u64]).collect();
+        let got = world.alltoallv(&values)?;
+        if got.iter().enumerate().any(|(k, v)| v != &[(k * n + r) as u64]) {
+            bail!("rank {r}: wrong values from the alltoallv: {got:?}");
+        }
+    }
+    if r >= keep {
+        println!("leave-late: rank {r} pid {} waits", std::process::id());
+        std::thread::sleep(std::time::Duration::from_secs(60));
+    }
+    if let ductile::Checkpoint::Resized(_) = session.checkpoint()? {
+        println!("leave-late: rank {r} resized");
+    }
+    Ok(session.finalize()?)
 }

@@ -321,6 +321,55 @@ fn a_failure_while_a_growth_starts_abandons_the_growth_and_recovers() {
 }
 
 #[test]
+fn a_process_killed_as_it_leaves_before_handing_its_data_over_ends_the_job_at_once() {
+    // A shrink 4 -> 2 waits for ranks 2 and 3, which wait before their checkpoint; rank 2
+    // is killed there. It was leaving, so it is no failure to recover from, but the
+    // others cannot finish the switch without it: the job ends, with its exit code, as
+    // it would have without --on-failure shrink. Before, the processes that saw it go
+    // waited for a recovery that never came, until --timeout. With `quiet`, no process
+    // has heard from it, so none sees it go by itself: the launcher tells them.
+    for variant in ["", "quiet"] {
+        let report = tmp("recover-leave-late");
+        let fault = ex("fault");
+        let argv =
+            ["run", "-n", "4", "--nodes", "2", "--policy", "steps:1", "--on-failure", "shrink", "--timeout", "120"];
+        let mut argv = argv.to_vec();
+        argv.extend(["--report", report.to_str().unwrap(), "--", &fault, "leave-late", "2", variant]);
+        let mut child = ductile(&argv).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start ductile");
+        let (out, err) = (lines_of(child.stdout.take().unwrap()), lines_of(child.stderr.take().unwrap()));
+        let mut job = Running(child);
+        let first = err.recv_timeout(Duration::from_secs(30)).expect("the job's first line");
+        let id = first.split_whitespace().nth(2).expect("job id").trim_end_matches(',').to_string();
+        let line = out.recv_timeout(Duration::from_secs(30)).expect("a leaving rank's pid");
+        let pid = line.split("pid ").nth(1).and_then(|p| p.split(' ').next()).and_then(|p| p.parse().ok());
+        let pid: i32 = pid.unwrap_or_else(|| panic!("{line}"));
+        // Killed once the shrink is under way (before, its end would be a failure to
+        // recover from).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let text = String::from_utf8_lossy(&run(&["status", &id]).stdout).into_owned();
+            if text.contains("leaving") {
+                break;
+            }
+            assert!(Instant::now() < deadline, "no shrink under way: {text}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let killed = Instant::now();
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+        let code = wait_with_timeout(&mut job.0, Duration::from_secs(90));
+        let took = killed.elapsed();
+        let errs = drain(&err).join("\n");
+        assert_eq!(code.code(), Some(137), "{variant}: {errs}");
+        assert!(errs.contains("was killed by signal 9; it was leaving anyway (--on-failure shrink)"), "{errs}");
+        let why = "could not switch to epoch 1 without the processes that left; the job cannot recover";
+        assert!(errs.contains(why), "{variant}: {errs}");
+        // "At once": far sooner than the job's --timeout (generous for a loaded machine).
+        assert!(took < Duration::from_secs(30), "{variant}: took {took:?}: {errs}");
+        assert_no_survivors(&report);
+    }
+}
+
+#[test]
 fn a_process_crashing_as_it_leaves_in_a_shrink_is_released() {
     // Under --on-failure shrink, a process that ends badly after it handed its data over
     // in a shrink was leaving anyway: the job goes on (by default it fails the job; see

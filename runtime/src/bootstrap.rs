@@ -157,6 +157,13 @@ pub enum ToRank {
     /// Processes of the job failed (`--on-failure shrink`): every other process
     /// interrupts its waits and recovers at its next checkpoint ([`FromRank::Recover`]).
     Failure(Failure),
+    /// Processes leaving in the change under way ended before it switched
+    /// (`--on-failure shrink`): the others stop waiting for them, as if their
+    /// connections had broken (a process need not have heard from them to see them
+    /// go). Nothing else is interrupted and no recovery follows: a process that cannot
+    /// finish its switch without them says it is ready to recover
+    /// ([`FromRank::Recover`]), and the job ends.
+    Gone(Failure),
 }
 
 /// Processes that failed, as the controller tells the others.

@@ -43,7 +43,7 @@ pub use config::TransportConfig;
 pub use error::{AuthError, FrameError, TransportError};
 pub use ids::{Context, JobId, JobKey, NodeId, Rank, Tag};
 pub use landing::{populate, Landing, Part};
-pub use matching::{Envelope, Landed, Mailbox, Pattern, Posting, SrcMatch, TagMatch};
+pub use matching::{Envelope, Landed, Mailbox, Pattern, PeerEnd, Posting, SrcMatch, TagMatch};
 pub use transport::{
     bind, BoxFuture, Capabilities, Endpoint, EndpointAddr, PendingRecv, Received, Transport, TransportSetup,
 };

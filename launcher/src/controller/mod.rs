@@ -195,6 +195,13 @@ enum Event {
     /// begins as it should (or why not).
     HandedOff(usize, Result<(ChannelRead, ChannelWrite, u32), String>),
     Arrival(Arrival),
+    /// Processes `ids`, leaving in change `seq`, ended badly (`why`) before it switched,
+    /// a grace ago: the others are told, if the change has still not switched.
+    Gone {
+        seq: u32,
+        ids: Vec<Rank>,
+        why: String,
+    },
 }
 
 /// Why the job ended early.
@@ -251,6 +258,10 @@ pub(crate) struct Ctl {
     /// Survivors that said they were ready to recover before the controller learnt of
     /// the failure (their transport saw the failed peer first): endpoint, epoch, count.
     early_ready: Vec<(Rank, u64, u64)>,
+    /// A process that left badly in a shrink (`--on-failure shrink`): how the job ends
+    /// if a process that stays could not finish its switch without it, and the epoch
+    /// that shrink switched to (see `recovery::Ctl::left_behind`).
+    left_badly: Option<(Ending, u64)>,
     /// Processes that finalized (they take part in no recovery).
     finalized: HashSet<Rank>,
     /// The job's first membership went out: processes can recover from failures.
@@ -421,6 +432,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
         flight: None,
         recovering: None,
         early_ready: Vec::new(),
+        left_badly: None,
         finalized: HashSet::new(),
         fenced: false,
         deferred: None,
@@ -697,9 +709,17 @@ impl Ctl {
                 }
                 if ag.abandoned || leaving && !ag.started.is_empty() {
                     // Its ranks are gone and so is it: a released node world.
+                    let unfinished: Vec<Rank> =
+                        if ag.abandoned { Vec::new() } else { ag.live.iter().copied().collect() };
                     ag.done = true;
                     ag.tx = None;
                     ag.live.clear();
+                    if !unfinished.is_empty() {
+                        let node = self.agents[a].node;
+                        let why = format!("{node}, whose processes left in a shrink, was lost ({why})");
+                        crate::say_errln!("ductile: {why}; they were leaving anyway (--on-failure shrink)");
+                        self.left_badly(unfinished, why.clone(), Ending::Reconfig(why)).await;
+                    }
                     self.after_exit().await;
                     return;
                 }
@@ -754,6 +774,7 @@ impl Ctl {
             Event::Arrival(Arrival::Status { reply }) => {
                 let _ = reply.send(self.status());
             }
+            Event::Gone { seq, ids, why } => self.tell_gone(seq, ids, why).await,
         }
     }
 
@@ -784,7 +805,7 @@ impl Ctl {
                 {
                     let (who, node) = (self.who(rank), self.agents[a].node);
                     if released && self.spec.on_failure == OnFailure::Shrink {
-                        self.leaving_ends(&who, exit);
+                        self.leaving_ends(rank, who, node, exit).await;
                     } else if released {
                         self.ending = Some(Ending::Rank(format!("{who}, while leaving in a shrink,"), node, exit));
                     } else {

@@ -109,6 +109,11 @@ pub struct InFlight {
 
 impl InFlight {
     /// Whether the change has gone out to the processes and they are switching.
+    /// The change's number.
+    pub(super) fn seq(&self) -> u32 {
+        self.seq
+    }
+
     pub(super) fn switching(&self) -> bool {
         matches!(self.phase, Phase::Switching)
     }
@@ -145,6 +150,33 @@ fn ms(d: Duration) -> f64 {
 impl Ctl {
     pub(super) fn is_releasing(&self, id: Rank) -> bool {
         self.flight.as_ref().is_some_and(|f| f.leaving.contains(&id))
+    }
+
+    /// Ends process `id`, which leaves in the change under way, if it still runs (its
+    /// exit is then no failure).
+    pub(super) async fn end_leaving(&mut self, id: Rank) {
+        let Some(a) = self.agents.iter().position(|a| a.live.contains(&id)) else { return };
+        let Some(f) = self.flight.as_mut().filter(|f| f.leaving.contains(&id)) else { return };
+        f.ended.insert(id);
+        tracing::info!("resize {}: ending {id}, which leaves, as it cannot finish its switch", f.seq);
+        self.send(a, &ToAgent::End(vec![id])).await;
+    }
+
+    /// Tells every process of change `seq` that still runs that `ids`, which left in it
+    /// badly (`why`), are gone, if the change has still not switched (see
+    /// [`ToRank::Gone`]).
+    pub(super) async fn tell_gone(&mut self, seq: u32, ids: Vec<Rank>, why: String) {
+        let Some(f) = self.flight.as_ref().filter(|f| f.seq == seq && f.switching()) else { return };
+        let mut told: Vec<Rank> = f.old.clone();
+        told.extend(self.state.ranks.iter().filter(|r| !f.old.contains(r)));
+        told.retain(|r| !ids.contains(r));
+        tracing::info!("resize {seq}: telling the processes of the change that {why}");
+        let notice = ToRank::Gone(ductile::bootstrap::Failure { epoch: self.state.epoch, failed: ids, why });
+        for id in told {
+            if let Some(a) = self.agents.iter().position(|a| a.live.contains(&id)) {
+                self.send(a, &ToAgent::ToRank(id, notice.clone())).await;
+            }
+        }
     }
 
     pub(super) fn ended_by_us(&self, id: Rank) -> bool {

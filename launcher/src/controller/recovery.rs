@@ -13,15 +13,24 @@
 //! with its agent leaves the pool: no growth goes there again.
 //!
 //! The job still ends when it cannot recover: no survivor left, a failure while
-//! another change is under way, or survivors that do not reach a checkpoint within
-//! the wait timeout.
+//! another change is under way, a process that could not finish a shrink's switch
+//! because one that left in it ended badly (see [`Ctl::left_behind`]), or survivors
+//! that do not reach a checkpoint within the wait timeout.
 
 use super::{Ctl, Ending, OnFailure};
 use crate::proto::ToAgent;
 use ductile::bootstrap::{CheckpointMode, Failure, ToRank};
 use ductile_transport::{NodeId, Rank};
 use std::collections::HashSet;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How long after processes leaving in a shrink end badly, before the shrink has
+/// switched, the others are told they are gone. A process that heard from them sees
+/// their connection end by itself, after the last bytes they sent; the notice is for
+/// those that never heard from them, which would wait for them until the switch's
+/// timeout. Meanwhile what they sent before they ended arrives, so that the notice
+/// fails no receive that was to get it.
+const GONE_GRACE: Duration = Duration::from_secs(2);
 
 /// A recovery waiting for its survivors.
 pub struct Recovering {
@@ -67,10 +76,67 @@ impl Ctl {
     }
 
     /// A process leaving in the shrink under way ended badly (`--on-failure shrink`): it
-    /// was leaving anyway. Its data was handed over before it could leave, or the
-    /// survivors' switch fails, which ends the job (their failed checkpoints say why).
-    pub(super) fn leaving_ends(&self, who: &str, exit: crate::proto::Exit) {
+    /// was leaving anyway. Its data was handed over before it could leave, or a process
+    /// that needed it fails its switch, which ends the job (see [`Ctl::left_behind`]).
+    pub(super) async fn leaving_ends(&mut self, id: Rank, who: String, node: NodeId, exit: crate::proto::Exit) {
         crate::say_errln!("ductile: {who}, leaving in a shrink, {exit}; it was leaving anyway (--on-failure shrink)");
+        let ending = Ending::Rank(format!("{who}, while leaving in a shrink,"), node, exit);
+        self.left_badly(vec![id], format!("{who}, leaving in a shrink, {exit}"), ending).await;
+    }
+
+    /// Processes `ids`, leaving in the shrink under way, ended badly (`why`; `ending`
+    /// if the job ends for it). If the shrink has not switched yet, the others are told
+    /// after [`GONE_GRACE`], so that none waits for them (see `reconfig::Ctl::tell_gone`);
+    /// the processes that already failed their switch for them (they said they were
+    /// ready to recover before the controller knew of any failure) are dealt with now.
+    pub(super) async fn left_badly(&mut self, ids: Vec<Rank>, why: String, ending: Ending) {
+        let epoch = self.state.epoch;
+        if self.left_badly.as_ref().is_none_or(|l| l.1 < epoch) {
+            self.left_badly = Some((ending, epoch));
+        }
+        if let Some(seq) = self.flight.as_ref().filter(|f| f.switching()).map(super::InFlight::seq) {
+            let events = self.events.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(GONE_GRACE).await;
+                let _ = events.send(super::Event::Gone { seq, ids, why });
+            });
+        }
+        let stale: Vec<(Rank, u64)> = self.early_ready.iter().filter(|e| e.1 < epoch).map(|e| (e.0, e.1)).collect();
+        for (id, at) in stale {
+            if self.left_behind(id, at).await && self.ending.is_some() {
+                return;
+            }
+        }
+    }
+
+    /// Process `id` says it is ready to recover at `epoch` while the controller knows of
+    /// no failure. If a process left badly in a shrink to a later epoch, `id` failed its
+    /// switch to that epoch, or an earlier one, for it: no recovery can follow, as from
+    /// any failure while processes switch. A process that stays then ends the job, as the
+    /// one that left would have ended it without `--on-failure shrink`; one that was
+    /// leaving too is ended now (nothing waits for it to finish, and a process that stays
+    /// and waited on it then fails in turn). True if so; false if `id` waits for a
+    /// failure the controller has not heard of yet.
+    ///
+    /// Before, such a process waited for a recovery that never came, and the processes
+    /// blocked on it with it, until their timeout (`ductile run --timeout`, or the wait
+    /// timeout of a switch): a process killed as it left, in one shrink out of a few,
+    /// hung the job.
+    async fn left_behind(&mut self, id: Rank, epoch: u64) -> bool {
+        let Some(to) = self.left_badly.as_ref().map(|l| l.1).filter(|&to| epoch < to) else { return false };
+        self.early_ready.retain(|e| e.0 != id);
+        if self.is_releasing(id) {
+            self.end_leaving(id).await;
+            return true;
+        }
+        crate::say_errln!(
+            "ductile: {} could not switch to epoch {to} without the processes that left; the job cannot recover",
+            self.who(id)
+        );
+        if let Some((ending, _)) = self.left_badly.take() {
+            self.give_up(ending);
+        }
+        true
     }
 
     /// Why the job cannot recover from the failure of `ids`, if it cannot.
@@ -209,6 +275,9 @@ impl Ctl {
                 self.give_up(Ending::Reconfig(why));
             }
             None => {
+                if self.left_behind(id, epoch).await {
+                    return;
+                }
                 // Its transport saw a peer fail before the peer's agent said so: kept for
                 // the recovery to come (a false alarm leaves it waiting, within its
                 // timeout; meanwhile no change starts).

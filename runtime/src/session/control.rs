@@ -8,13 +8,14 @@
 //! the change to the failure's epoch are spared (see `super::change_contexts`): a
 //! process still finishing that switch completes it, and recovers from there. Every other
 //! message (the controller's decisions) is passed on, in order, to the checkpoint that
-//! waits for it; so is the notice, which wakes a rank 0 waiting for a decision.
+//! waits for it; so is the notice, which wakes a rank 0 waiting for a decision. A
+//! [`ToRank::Gone`] only ends the receives waiting on the processes it names.
 
 use crate::bootstrap::{self, Failure, ToRank};
 use crate::error::{Error, Result};
-use ductile_transport::Mailbox;
 #[cfg(test)]
 use ductile_transport::TransportError;
+use ductile_transport::{Mailbox, PeerEnd};
 use std::os::unix::net::UnixStream;
 use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -57,6 +58,12 @@ impl Watcher {
                         mailbox.interrupt(&why, &f.failed, move |c| change.contains(&c));
                         if tx.send(Ok(ToRank::Failure(f))).is_err() {
                             return;
+                        }
+                    }
+                    Ok(ToRank::Gone(g)) => {
+                        tracing::debug!("{g:?}: its waits on them end");
+                        for r in &g.failed {
+                            mailbox.peer_ended(*r, PeerEnd::Lost);
                         }
                     }
                     Ok(m) => {
