@@ -573,6 +573,14 @@ impl Mailbox {
         wake.into_iter().for_each(Waker::wake);
     }
 
+    /// Whether peer `r` is known to have ended: it said goodbye, its connection broke,
+    /// or it was fenced off.
+    #[must_use]
+    pub fn has_ended(&self, r: Rank) -> bool {
+        let st = self.lock();
+        st.ended.contains_key(&r) || st.is_fenced(r)
+    }
+
     /// Records that a peer is (again) connected, after a reconnection.
     pub fn peer_connected(&self, r: Rank) {
         self.lock().ended.remove(&r);
@@ -837,7 +845,9 @@ mod tests {
         // Answered before the fence, abandoned after it: not put back.
         let Posting::Posted(answered) = m.post(pat(Some(1), Some(8))).unwrap() else { panic!("matched") };
         m.deliver(env(1, 8, b"answered"));
+        assert!(!m.has_ended(Rank(1)));
         m.fence(&[Rank(1)]);
+        assert!(m.has_ended(Rank(1)) && !m.has_ended(Rank(2)));
         m.abandon(answered);
         assert_eq!(m.queued(), 1, "the fenced rank's message is dropped, the other kept");
         assert!(matches!(answer(&m, waiting), Some(Err(TransportError::PeerLost(Rank(1))))));
@@ -848,6 +858,11 @@ mod tests {
         assert_eq!(m.queued(), 1);
         // A receive naming it fails at once, even after it connects again.
         m.peer_connected(Rank(1));
+        assert!(m.has_ended(Rank(1)), "fenced for good");
+        m.peer_ended(Rank(3), PeerEnd::Closed);
+        assert!(m.has_ended(Rank(3)));
+        m.peer_connected(Rank(3));
+        assert!(!m.has_ended(Rank(3)), "connected again");
         assert!(matches!(m.post(pat(Some(1), Some(1))), Err(TransportError::PeerLost(Rank(1)))));
         // The others are untouched.
         assert_eq!(ready(m.post(pat(None, Some(1))).unwrap()).payload, &b"from 2"[..]);

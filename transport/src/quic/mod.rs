@@ -212,7 +212,11 @@ impl Inner {
         let limit = self.cfg.get_handshake_timeout();
         let deadline = Instant::now() + limit;
         let bye = FrameHeader::bye(self.me.rank).encode();
-        let slots: Vec<Slot> = lock(&self.out).values().cloned().collect();
+        // A peer known to have ended gets no goodbye: one that was killed would never
+        // acknowledge it, and the wait for it, up to `limit`, held a process that left
+        // after a failure past the launcher's grace for leaving (5 s).
+        let slots: Vec<Slot> =
+            lock(&self.out).iter().filter(|(r, _)| !self.mailbox.has_ended(**r)).map(|(_, s)| s.clone()).collect();
         let mut goodbyes = tokio::task::JoinSet::new();
         for slot in slots {
             goodbyes.spawn(async move {
