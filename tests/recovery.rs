@@ -132,7 +132,8 @@ fn a_process_leaving_after_a_failure_leaves_at_once_over_quic() {
     assert_eq!(rcs.len(), 2, "{report:#}");
     assert_eq!((rcs[1]["kind"].as_str(), rcs[1]["trigger"].as_str()), (Some("shrink"), Some("policy")), "{report:#}");
     let release = rcs[1]["phases_ms"]["release"].as_f64().unwrap();
-    assert!(release < 2500.0, "the process that left took {release} ms to leave: {report:#}");
+    // 95 ms here; a margin for a loaded machine, below the 5 s it waited.
+    assert!(release < 4000.0, "the process that left took {release} ms to leave: {report:#}");
 }
 
 #[test]

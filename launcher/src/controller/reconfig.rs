@@ -108,12 +108,12 @@ pub struct InFlight {
 }
 
 impl InFlight {
-    /// Whether the change has gone out to the processes and they are switching.
     /// The change's number.
     pub(super) fn seq(&self) -> u32 {
         self.seq
     }
 
+    /// Whether the change has gone out to the processes and they are switching.
     pub(super) fn switching(&self) -> bool {
         matches!(self.phase, Phase::Switching)
     }
@@ -153,13 +153,14 @@ impl Ctl {
     }
 
     /// Ends process `id`, which leaves in the change under way, if it still runs (its
-    /// exit is then no failure).
-    pub(super) async fn end_leaving(&mut self, id: Rank) {
-        let Some(a) = self.agents.iter().position(|a| a.live.contains(&id)) else { return };
-        let Some(f) = self.flight.as_mut().filter(|f| f.leaving.contains(&id)) else { return };
+    /// exit is then no failure); true if so.
+    pub(super) async fn end_leaving(&mut self, id: Rank) -> bool {
+        let Some(a) = self.agents.iter().position(|a| a.live.contains(&id)) else { return false };
+        let Some(f) = self.flight.as_mut().filter(|f| f.leaving.contains(&id)) else { return false };
         f.ended.insert(id);
         tracing::info!("resize {}: ending {id}, which leaves, as it cannot finish its switch", f.seq);
         self.send(a, &ToAgent::End(vec![id])).await;
+        true
     }
 
     /// Tells every process of change `seq` that still runs that `ids`, which left in it

@@ -94,18 +94,24 @@ impl Ctl {
         if self.left_badly.as_ref().is_none_or(|l| l.1 < epoch) {
             self.left_badly = Some((ending, epoch));
         }
+        self.announce_gone(ids, why);
+        let stale: Vec<(Rank, u64)> = self.early_ready.iter().filter(|e| e.1 < epoch).map(|e| (e.0, e.1)).collect();
+        for (id, at) in stale {
+            if self.left_behind(id, at).await && self.ending.is_some() {
+                return;
+            }
+        }
+    }
+
+    /// Tells the processes of the shrink under way, after [`GONE_GRACE`], that `ids` are
+    /// gone (`why`), if it has not switched by then (see `reconfig::Ctl::tell_gone`).
+    fn announce_gone(&self, ids: Vec<Rank>, why: String) {
         if let Some(seq) = self.flight.as_ref().filter(|f| f.switching()).map(super::InFlight::seq) {
             let events = self.events.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(GONE_GRACE).await;
                 let _ = events.send(super::Event::Gone { seq, ids, why });
             });
-        }
-        let stale: Vec<(Rank, u64)> = self.early_ready.iter().filter(|e| e.1 < epoch).map(|e| (e.0, e.1)).collect();
-        for (id, at) in stale {
-            if self.left_behind(id, at).await && self.ending.is_some() {
-                return;
-            }
         }
     }
 
@@ -126,7 +132,11 @@ impl Ctl {
         let Some(to) = self.left_badly.as_ref().map(|l| l.1).filter(|&to| epoch < to) else { return false };
         self.early_ready.retain(|e| e.0 != id);
         if self.is_releasing(id) {
-            self.end_leaving(id).await;
+            // Its end is ours, no failure: the others that wait on it are told as of
+            // one that left badly.
+            if self.end_leaving(id).await {
+                self.announce_gone(vec![id], format!("{}, leaving in a shrink, could not finish it", self.who(id)));
+            }
             return true;
         }
         crate::say_errln!(
