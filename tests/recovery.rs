@@ -344,8 +344,9 @@ fn a_process_killed_as_it_leaves_before_handing_its_data_over_ends_the_job_at_on
     // others cannot finish the switch without it: the job ends, with its exit code, as
     // it would have without --on-failure shrink. Before, the processes that saw it go
     // waited for a recovery that never came, until --timeout. With `quiet`, no process
-    // has heard from it, so none sees it go by itself: the launcher tells them.
-    for variant in ["", "quiet"] {
+    // has heard from it, so none sees it go by itself: the launcher tells them. Last, its
+    // node is lost instead (its agent is killed, and both leaving ranks with it).
+    for (variant, node) in [("", false), ("quiet", false), ("", true)] {
         let report = tmp("recover-leave-late");
         let fault = ex("fault");
         let argv =
@@ -363,14 +364,21 @@ fn a_process_killed_as_it_leaves_before_handing_its_data_over_ends_the_job_at_on
         // Killed once the shrink is under way (before, its end would be a failure to
         // recover from).
         let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
+        let status = loop {
             let text = String::from_utf8_lossy(&run(&["status", &id]).stdout).into_owned();
             if text.contains("leaving") {
-                break;
+                break text;
             }
             assert!(Instant::now() < deadline, "no shrink under way: {text}");
             std::thread::sleep(Duration::from_millis(50));
-        }
+        };
+        let pid = if node {
+            // `  node 1 (agent pid N): 2 leaving`
+            let line = status.lines().find(|l| l.contains("leaving")).unwrap();
+            line.split("agent pid ").nth(1).and_then(|p| p.split(')').next()).and_then(|p| p.parse().ok()).unwrap()
+        } else {
+            pid
+        };
         if variant == "quiet" {
             // The others have sent it what they had for it by now, and wait for its
             // part: a send to it cannot fail then and show them it is gone.
@@ -381,12 +389,19 @@ fn a_process_killed_as_it_leaves_before_handing_its_data_over_ends_the_job_at_on
         let code = wait_with_timeout(&mut job.0, Duration::from_secs(90));
         let took = killed.elapsed();
         let errs = drain(&err).join("\n");
-        assert_eq!(code.code(), Some(137), "{variant}: {errs}");
-        assert!(errs.contains("was killed by signal 9; it was leaving anyway (--on-failure shrink)"), "{errs}");
+        if node {
+            assert_eq!(code.code(), Some(1), "{errs}");
+            let lost = "node 1, whose processes left in a shrink, was lost (its agent is gone";
+            assert!(errs.contains(lost), "{errs}");
+            assert!(errs.contains("they were leaving anyway (--on-failure shrink)"), "{errs}");
+        } else {
+            assert_eq!(code.code(), Some(137), "{variant}: {errs}");
+            assert!(errs.contains("was killed by signal 9; it was leaving anyway (--on-failure shrink)"), "{errs}");
+        }
         let why = "could not switch to epoch 1 without the processes that left; the job cannot recover";
-        assert!(errs.contains(why), "{variant}: {errs}");
+        assert!(errs.contains(why), "{variant} {node}: {errs}");
         // "At once": far sooner than the job's --timeout (generous for a loaded machine).
-        assert!(took < Duration::from_secs(30), "{variant}: took {took:?}: {errs}");
+        assert!(took < Duration::from_secs(30), "{variant} {node}: took {took:?}: {errs}");
         assert_no_survivors(&report);
     }
 }
