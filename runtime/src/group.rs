@@ -229,7 +229,7 @@ impl AsyncGroup {
     /// The endpoint of group rank `r`; every operation that addresses a member asks.
     fn member(&self, r: usize) -> Result<Rank> {
         self.live()?;
-        self.core.members.get(r).copied().ok_or(Error::InvalidRank { rank: r, size: self.size() })
+        self.core.members.get(r).copied().ok_or_else(|| Error::InvalidRank { rank: r, size: self.size() })
     }
 
     /// Sends raw bytes with any tag, including runtime tags.

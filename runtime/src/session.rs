@@ -471,7 +471,7 @@ impl Session {
     /// # Errors
     /// The session has been finalized.
     pub fn handle(&self) -> Result<tokio::runtime::Handle> {
-        self.rt.as_ref().map(|rt| rt.handle().clone()).ok_or(Error::Invalid("session is closed".into()))
+        self.rt.as_ref().map(|rt| rt.handle().clone()).ok_or_else(|| Error::Invalid("session is closed".into()))
     }
 
     fn in_group(&self) -> Result<()> {
@@ -682,7 +682,7 @@ impl Session {
             return self.complete_change(c, prep, None);
         }
         let epoch = c.after.epoch;
-        let rt = self.rt.as_ref().ok_or(Error::Invalid("session is closed".into()))?;
+        let rt = self.rt.as_ref().ok_or_else(|| Error::Invalid("session is closed".into()))?;
         // The move runs in a group of its own context, so its messages never meet the
         // transition group's collectives.
         let g = AsyncGroup::new(
@@ -810,7 +810,7 @@ impl Session {
             tracing::debug!("{me} released at epoch {epoch}");
             return Ok(Checkpoint::Released(resize));
         }
-        let rt = self.rt.as_ref().ok_or(Error::Invalid("session is closed".into()))?;
+        let rt = self.rt.as_ref().ok_or_else(|| Error::Invalid("session is closed".into()))?;
         self.world = Self::world_of(rt, self.spin, &self.endpoint, &c.after, self.timeout, &self.memberships)?;
         self.info.nodes = node_count(&c.after);
         self.membership = c.after;

@@ -85,7 +85,7 @@ impl Session {
             }
             other => return Err(Error::Bootstrap(format!("expected the agent's handoff, got {other:?}"))),
         };
-        let rt = self.rt.as_ref().ok_or(Error::Invalid("session is closed".into()))?;
+        let rt = self.rt.as_ref().ok_or_else(|| Error::Invalid("session is closed".into()))?;
         crate::launch::set_job(&h);
         let endpoint = super::bind(rt, &h)?;
         bootstrap::write_msg(&mut control, &FromRank::Ready { addr: endpoint.transport().local_addr() })

@@ -142,7 +142,7 @@ impl Session {
             overlap: None,
         };
         self.last_change = Some((c.seq, Vec::new(), failed.clone()));
-        let rt = self.rt.as_ref().ok_or(Error::Invalid("session is closed".into()))?;
+        let rt = self.rt.as_ref().ok_or_else(|| Error::Invalid("session is closed".into()))?;
         self.world = Self::world_of(rt, self.spin, &self.endpoint, &c.after, self.timeout, &self.memberships)?;
         self.info.nodes = node_count(&c.after);
         self.membership = c.after;
