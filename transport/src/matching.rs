@@ -599,6 +599,21 @@ impl Mailbox {
         st.ended.contains_key(&r) || st.is_fenced(r)
     }
 
+    /// Why a dial to peer `r` failed: the peer is lost if it is known meanwhile to have
+    /// ended ([`Mailbox::has_ended`]: the launcher said it is gone, say), whatever the
+    /// dial's own timeout or I/O error. A handshake with a killed process times out, and
+    /// a timeout is no failure a job can recover from, where the process's end is one.
+    #[must_use]
+    pub fn dial_error(&self, r: Rank, e: TransportError) -> TransportError {
+        match e {
+            TransportError::Timeout { .. } | TransportError::Io { .. } if self.has_ended(r) => {
+                tracing::debug!("{e}; {r} is known to have ended");
+                TransportError::PeerLost(r)
+            }
+            e => e,
+        }
+    }
+
     /// Records that a peer is (again) connected, after a reconnection.
     pub fn peer_connected(&self, r: Rank) {
         self.lock().ended.remove(&r);
@@ -881,6 +896,12 @@ mod tests {
         assert!(m.has_ended(Rank(3)));
         m.peer_connected(Rank(3));
         assert!(!m.has_ended(Rank(3)), "connected again");
+        // A dial that timed out is a lost peer only if the peer is known to have ended.
+        let timeout = || TransportError::Timeout { what: "a dial".into(), after: std::time::Duration::ZERO };
+        assert!(matches!(m.dial_error(Rank(1), timeout()), TransportError::PeerLost(Rank(1))));
+        assert!(matches!(m.dial_error(Rank(3), timeout()), TransportError::Timeout { .. }));
+        let refused = TransportError::Auth { peer: Rank(1), source: crate::error::AuthError::BadProof };
+        assert!(matches!(m.dial_error(Rank(1), refused), TransportError::Auth { .. }), "not every error");
         assert!(matches!(m.post(pat(Some(1), Some(1))), Err(TransportError::PeerLost(Rank(1)))));
         // The others are untouched.
         assert_eq!(ready(m.post(pat(None, Some(1))).unwrap()).payload, &b"from 2"[..]);

@@ -153,3 +153,35 @@ async fn a_peer_that_vanishes_silently_is_lost_within_the_idle_timeout() {
     drop(doomed);
     alive.transport().close().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dial_to_a_peer_known_to_have_ended_fails_as_lost_not_as_a_timeout() {
+    // Rank 0 is gone before anyone dialed it (its runtime shut down, its socket closed
+    // without a word): a handshake with it can only time out.
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let doomed = {
+        let _on = rt.enter();
+        endpoint(1, 0, 2)
+    };
+    let mailbox = Arc::new(Mailbox::new());
+    let setup = TransportSetup {
+        identity: Identity { job: JobId(77), key: JobKey::from_bytes([1; 32]), rank: Rank(1) },
+        size: 2,
+        config: TransportConfig::default().connect_timeout(Duration::from_millis(500)),
+        mailbox: mailbox.clone(),
+    };
+    let alive = Endpoint::new(bind("quic", setup).unwrap(), mailbox, Rank(1));
+    alive.transport().set_peers(&[doomed.transport().local_addr(), alive.transport().local_addr()]).unwrap();
+    rt.shutdown_background();
+    let hello = || alive.send(Rank(0), Context(0), Tag(1), Bytes::from_static(b"hello"));
+    // Nobody said it ended: the dial's own error.
+    let err = hello().await.unwrap_err();
+    assert!(matches!(err, TransportError::Timeout { .. }), "{err}");
+    // Once the mailbox knows (the launcher said the process is gone), the same dial
+    // fails as a lost peer, which a job run with --on-failure shrink recovers from.
+    alive.mailbox().peer_ended(Rank(0), ductile_transport::PeerEnd::Lost);
+    let err = hello().await.unwrap_err();
+    assert!(matches!(err, TransportError::PeerLost(Rank(0))), "{err}");
+    drop(doomed);
+    alive.transport().close().await;
+}

@@ -139,8 +139,13 @@ impl Inner {
 
     /// Makes sure a stream to `dst` exists, running the handshake if needed: the
     /// `Hello` must leave within the connect timeout (the provider may have to connect
-    /// first), the rest take at most the handshake timeout.
+    /// first), the rest take at most the handshake timeout. A failed dial to a peer
+    /// known to have ended fails as lost ([`crate::Mailbox::dial_error`]).
     pub(super) async fn connect(&self, dst: Rank) -> Result<(), TransportError> {
+        self.dial(dst).await.map_err(|e| self.mailbox.dial_error(dst, e))
+    }
+
+    async fn dial(&self, dst: Rank) -> Result<(), TransportError> {
         let step = lock(&self.sessions).dial(dst, &self.name, Instant::now)?;
         let (connect, handshake) = (self.cfg.get_connect_timeout(), self.cfg.get_handshake_timeout());
         let rx = match step {

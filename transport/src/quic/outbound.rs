@@ -148,7 +148,13 @@ impl Inner {
         Ok(o)
     }
 
+    /// Opens and authenticates a connection to `dst`; a failed dial to a peer known
+    /// to have ended fails as lost ([`crate::Mailbox::dial_error`]).
     async fn connect(&self, dst: Rank) -> Result<Arc<Outbound>, TransportError> {
+        self.dial(dst).await.map_err(|e| self.mailbox.dial_error(dst, e))
+    }
+
+    async fn dial(&self, dst: Rank) -> Result<Arc<Outbound>, TransportError> {
         let peer = {
             let peers = self.peers.read().unwrap_or_else(std::sync::PoisonError::into_inner);
             peers.get(dst.index()).copied().flatten().ok_or(TransportError::UnknownPeer(dst))?

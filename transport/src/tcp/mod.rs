@@ -59,6 +59,9 @@ struct Inner {
     closed: AtomicBool,
     /// Bytes queued on the outbound connections (see [`Outbound::new`]).
     pending: Arc<AtomicUsize>,
+    /// The endpoint's mailbox (the reader delivers into it), which knows which peers
+    /// ended.
+    mailbox: Arc<crate::Mailbox>,
 }
 
 /// The TCP backend; see the module docs.
@@ -83,9 +86,9 @@ impl TcpTransport {
         let gets = Arc::new(GetTable::new());
         let (serve, requests) = tokio::sync::mpsc::unbounded_channel();
         let one_sided = OneSided { windows: windows.clone(), gets: gets.clone(), serve };
-        let reader =
-            Reader::start(setup.identity.rank, setup.config.get_max_payload(), setup.mailbox.clone(), one_sided)
-                .map_err(|source| TransportError::Bind { transport: NAME, addr: host.to_string(), source })?;
+        let mailbox = setup.mailbox;
+        let reader = Reader::start(setup.identity.rank, setup.config.get_max_payload(), mailbox.clone(), one_sided)
+            .map_err(|source| TransportError::Bind { transport: NAME, addr: host.to_string(), source })?;
         let inner = Arc::new(Inner {
             me: setup.identity,
             cfg: setup.config,
@@ -99,6 +102,7 @@ impl TcpTransport {
             tasks: Mutex::new(Vec::new()),
             closed: AtomicBool::new(false),
             pending: Arc::new(AtomicUsize::new(0)),
+            mailbox,
         });
         let task = tokio::spawn(accept_loop(inner.clone(), listener));
         lock(&inner.tasks).push(task.abort_handle());
@@ -255,7 +259,13 @@ impl Inner {
         Ok(o)
     }
 
+    /// Opens and authenticates a connection to `dst`; a failed dial to a peer known
+    /// to have ended fails as lost ([`crate::Mailbox::dial_error`]).
     async fn connect(&self, dst: Rank) -> Result<Arc<Outbound>, TransportError> {
+        self.dial(dst).await.map_err(|e| self.mailbox.dial_error(dst, e))
+    }
+
+    async fn dial(&self, dst: Rank) -> Result<Arc<Outbound>, TransportError> {
         let addr = {
             let peers = self.peers.read().unwrap_or_else(std::sync::PoisonError::into_inner);
             peers.get(dst.index()).copied().flatten().ok_or(TransportError::UnknownPeer(dst))?
