@@ -49,6 +49,17 @@ fn from(src: u32, tag: u32) -> Pattern {
     Pattern { ctx: Context(0), src: SrcMatch::Rank(Rank(src)), tag: TagMatch::Tag(Tag(tag)) }
 }
 
+/// Rank 0 of a job of 2, on a runtime of its own: shutting that runtime down stops its
+/// tasks and closes its socket without a word on the wire, as a killed process would.
+fn doomed_rank_0() -> (tokio::runtime::Runtime, Endpoint) {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let doomed = {
+        let _on = rt.enter();
+        endpoint(1, 0, 2)
+    };
+    (rt, doomed)
+}
+
 async fn close_all(eps: &[Endpoint]) {
     for e in eps {
         e.transport().close().await;
@@ -128,13 +139,7 @@ async fn garbage_datagrams_do_not_disturb_the_endpoint() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_vanishes_silently_is_lost_within_the_idle_timeout() {
-    // Rank 0 runs on a runtime of its own; shutting that runtime down stops its tasks
-    // and closes its socket without a word on the wire, as a killed process would.
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
-    let doomed = {
-        let _on = rt.enter();
-        endpoint(1, 0, 2)
-    };
+    let (rt, doomed) = doomed_rank_0();
     let alive = endpoint(1, 1, 2);
     let table = [doomed.transport().local_addr(), alive.transport().local_addr()];
     doomed.transport().set_peers(&table).unwrap();
@@ -158,11 +163,7 @@ async fn a_peer_that_vanishes_silently_is_lost_within_the_idle_timeout() {
 async fn a_dial_to_a_peer_known_to_have_ended_fails_as_lost_not_as_a_timeout() {
     // Rank 0 is gone before anyone dialed it (its runtime shut down, its socket closed
     // without a word): a handshake with it can only time out.
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
-    let doomed = {
-        let _on = rt.enter();
-        endpoint(1, 0, 2)
-    };
+    let (rt, doomed) = doomed_rank_0();
     let mailbox = Arc::new(Mailbox::new());
     let setup = TransportSetup {
         identity: Identity { job: JobId(77), key: JobKey::from_bytes([1; 32]), rank: Rank(1) },
