@@ -6,7 +6,8 @@
 //!
 //! With `--env NAME`, each rank also says on stderr what `NAME` is set to, which
 //! directory it runs in (what ranks on other hosts get from `ductile run`) and its
-//! network namespace.
+//! network namespace. With `--cpus`, each rank also says which CPUs it may run on
+//! (what `ductile run --bind-to` bound it to).
 
 fn main() -> anyhow::Result<()> {
     let session = ductile::init()?;
@@ -27,6 +28,11 @@ fn main() -> anyhow::Result<()> {
         // Which network namespace: how the tests tell their simulated hosts apart.
         let net = std::fs::read_link("/proc/self/ns/net").map(|l| l.display().to_string()).unwrap_or_default();
         eprintln!("rank {}: {name}={value} in {}, network {net}", world.rank(), dir.display());
+    }
+    if args.iter().any(|a| a == "--cpus") {
+        let status = std::fs::read_to_string("/proc/self/status")?;
+        let cpus = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap_or("(unknown)");
+        println!("rank {} may run on CPUs {}", world.rank(), cpus.trim());
     }
     if args.iter().any(|a| a == "--stdin") {
         let mut text = String::new();

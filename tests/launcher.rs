@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{assert_no_survivors, ductile, ex, run, tmp, wait_with_timeout};
+use common::{assert_no_survivors, ductile, ex, own_cpus, reported_bindings, run, tmp, wait_with_timeout};
 use nix::sys::signal::Signal;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -41,6 +41,45 @@ fn hello_ring_and_allreduce_over_1_to_4_nodes() {
         let want = format!("allreduce over {n} ranks of 100000 elements: correct; total {total}");
         assert!(String::from_utf8_lossy(&out.stdout).contains(&want), "{out:?}");
     }
+}
+
+#[test]
+fn bound_ranks_run_on_a_cpu_each_across_simulated_nodes_and_within_the_launchers_own() {
+    let (list, cpus) = own_cpus();
+    let hello = ex("hello");
+    let text = |o: &std::process::Output| {
+        assert!(o.status.success(), "{o:?}");
+        (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    // Three simulated nodes share this host's CPUs: one count of slots across them.
+    let args = ["run", "-n", "3", "--nodes", "3", "--bind-to", "hwthread", "--report-bindings", "--", &hello, "--cpus"];
+    let (out, err) = text(&run(&args));
+    let mut said = reported_bindings(&err);
+    said.sort_unstable();
+    let want: Vec<_> = (0..3).map(|r| (r, r, Some(cpus[r as usize % cpus.len()].to_string()))).collect();
+    assert_eq!(said, want, "{err}");
+    for (r, _, cpu) in &want {
+        let cpu = cpu.as_deref().unwrap_or_default();
+        assert!(out.contains(&format!("rank {r} may run on CPUs {cpu}\n")), "rank {r} not on CPU {cpu}: {out}");
+    }
+    assert_eq!(err.contains("some share one"), cpus.len() < 3, "{err}");
+    // Not bound: every CPU of the launcher's, said so.
+    let (out, err) = text(&run(&["run", "-n", "2", "--report-bindings", "--", &hello, "--cpus"]));
+    assert_eq!(reported_bindings(&err), vec![(0, 0, None), (1, 0, None)], "{err}");
+    for r in 0..2 {
+        assert!(out.contains(&format!("rank {r} may run on CPUs {list}\n")), "{out}");
+    }
+    // Within the CPUs the launcher was given (as a batch system's cgroup or taskset
+    // gives them): one CPU, so both ranks on it, sharing it, said so.
+    let last = cpus.last().expect("a CPU").to_string();
+    let mut c = Command::new("taskset");
+    c.args(["-c", &last]).arg(ductile_suite::paths::ductile_bin());
+    let o = c.args(["run", "-n", "2", "--bind-to", "core", "--", &hello, "--cpus"]).output().expect("start taskset");
+    let (out, err) = text(&o);
+    for r in 0..2 {
+        assert!(out.contains(&format!("rank {r} may run on CPUs {last}\n")), "{out}");
+    }
+    assert!(err.contains("node 0: more ranks on this host than cores to bind them to (1): some share one"), "{err}");
 }
 
 #[test]

@@ -2,7 +2,10 @@
 
 mod common;
 
-use common::{assert_no_survivors, descendants, ductile, ex, is_alive, read_report, run, tmp, wait_with_timeout};
+use common::{
+    assert_no_survivors, descendants, ductile, ex, is_alive, own_cpus, read_report, reported_bindings, run, tmp,
+    wait_with_timeout,
+};
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;
@@ -158,6 +161,42 @@ fn jacobi_gives_the_rigid_checksum_through_every_kind_of_resize() {
             assert_eq!(p["background"].as_f64().unwrap() > 0.0, opts.contains(&"--background"), "{r}");
         }
     }
+}
+
+#[test]
+fn a_growth_binds_its_ranks_to_the_cpus_a_shrink_freed() {
+    let cpus = own_cpus().1;
+    let report = tmp("bind-regrow.json");
+    let mut args = vec!["run", "--timeout", "120", "--report", report.to_str().unwrap(), "-n", "1", "--slots", "1"];
+    args.extend(["--max-nodes", "2", "--policy", "steps:2,1,2", "--bind-to", "hwthread", "--report-bindings"]);
+    let prog = ex("jacobi");
+    args.extend(["--", &prog]);
+    args.extend(JACOBI);
+    let out = run(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let said = reported_bindings(&err);
+    let ids: Vec<u32> = said.iter().map(|s| s.0).collect();
+    assert_eq!(ids, [0, 1, 2], "{err}");
+    let cpu_of = |id: u32| said[id as usize].2.clone().unwrap_or_else(|| panic!("rank {id} not bound: {err}"));
+    assert_eq!(cpu_of(0), cpus[0].to_string());
+    assert_eq!(cpu_of(1), cpus[1 % cpus.len()].to_string());
+    // The second growth (epoch 3) came after the shrink to one node: its rank takes the
+    // CPU that the released node world's rank left, not the next slot (which wraps
+    // around to the survivor's on two CPUs).
+    let v = read_report(&report);
+    let survivors: Vec<u32> = v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|n| n["joined_epoch"].as_u64() < Some(3) && n["released_epoch"].is_null())
+        .flat_map(|n| n["ranks"].as_array().unwrap().iter().map(|r| u32::try_from(r.as_u64().unwrap()).unwrap()))
+        .collect();
+    assert_eq!(survivors.len(), 1, "{v}");
+    if cpus.len() >= 2 {
+        assert_ne!(cpu_of(2), cpu_of(survivors[0]), "{err}");
+    }
+    assert_no_survivors(&report);
 }
 
 #[test]

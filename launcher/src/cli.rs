@@ -1,5 +1,6 @@
 //! The command line of `ductile`.
 
+use crate::bind::BindTo;
 use crate::controller::{JobSpec, OnFailure};
 use crate::layout;
 use crate::plan::resize::Target;
@@ -113,6 +114,15 @@ pub struct RunArgs {
     /// Prefix every output line with `[rank]`.
     #[arg(long)]
     pub tag_output: bool,
+    /// Bind each rank to a core of its own (with its hardware threads), or to one
+    /// hardware thread, of the CPUs `ductile run` (or the node's agent) may use; ranks
+    /// started by a growth take the cores that a shrink freed. More ranks on a host
+    /// than cores share them, round-robin.
+    #[arg(long, value_enum, value_name = "UNIT", default_value_t = BindTo::None)]
+    pub bind_to: BindTo,
+    /// Print where each rank was bound as it starts.
+    #[arg(long)]
+    pub report_bindings: bool,
     /// Do not print the job's id and control socket at start (child jobs of
     /// `Group::launch` run so).
     #[arg(long)]
@@ -413,6 +423,8 @@ impl RunArgs {
             program: resolve_program(&program)?,
             args: command.collect(),
             tag_output: self.tag_output,
+            bind_to: self.bind_to,
+            report_bindings: self.report_bindings,
             timeout: self.timeout.map(Duration::from_secs),
             join_timeout: Duration::from_secs(self.join_timeout),
             transport: ductile::bootstrap::TransportSpec {

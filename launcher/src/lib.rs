@@ -21,6 +21,7 @@
 #![allow(rustdoc::private_intra_doc_links)]
 
 pub mod agent;
+pub mod bind;
 pub mod cli;
 pub mod controller;
 pub mod hosts;

@@ -129,6 +129,7 @@ impl JobState {
                 step: n.action.step,
                 node: NodeId(n.action.node as u32),
                 ids: ids[g].clone(),
+                slots: Vec::new(),
                 host: None,
                 token: tokens.get(g).cloned().unwrap_or(Token([0; 32])),
                 spawns: n.children.iter().map(|c| order(c, ids, tokens)).collect(),

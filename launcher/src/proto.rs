@@ -22,7 +22,7 @@ pub type ChannelWrite = Box<dyn tokio::io::AsyncWrite + Send + Unpin>;
 pub const STDIO_MAGIC: &[u8; 16] = b"\0ductile-agent8\n";
 
 /// Version of the agent handoff.
-pub const AGENT_VERSION: u32 = 9;
+pub const AGENT_VERSION: u32 = 10;
 
 /// Everything an agent needs to start its node world.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -37,6 +37,13 @@ pub struct AgentHandoff {
     pub node: NodeId,
     /// Endpoint ids of the processes this node world runs.
     pub ids: Vec<Rank>,
+    /// What each rank is bound to (`--bind-to`).
+    pub bind_to: crate::bind::BindTo,
+    /// The binding slot of each of `ids` on this host (see [`crate::bind`]); empty when
+    /// ranks are not bound.
+    pub slots: Vec<u32>,
+    /// Say where each rank was bound (`--report-bindings`).
+    pub report_bindings: bool,
     /// The program (an absolute path, resolved by the controller).
     pub program: String,
     /// Its arguments.
@@ -157,6 +164,8 @@ pub struct SpawnOrder {
     pub node: NodeId,
     /// Endpoint ids of its processes.
     pub ids: Vec<Rank>,
+    /// Their binding slots on their host (empty when ranks are not bound).
+    pub slots: Vec<u32>,
     /// The host it runs on, for a job that spans hosts (unset: the spawner's).
     pub host: Option<String>,
     /// The new agent's token.

@@ -42,10 +42,20 @@ pub enum Input {
 /// kept.
 const PSM_NO_BACKTRACE: [&str; 2] = ["IPATH_NO_BACKTRACE", "HFI_NO_BACKTRACE"];
 
+/// How a child is set up before it runs its program.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Setup {
+    /// In a process group of its own.
+    pub new_group: bool,
+    /// With the parent-death signal (SIGKILL when the spawning thread ends).
+    pub parent_death: bool,
+    /// Bound to these CPUs (see [`crate::bind`]).
+    pub cpus: Option<nix::sched::CpuSet>,
+}
+
 /// Starts `program args` with `channel` as its control channel, reading `input` and
-/// writing to `output`, in a process group of its own if `new_group`, with the
-/// parent-death signal if `parent_death`, and with `network`'s environment and working
-/// directory (a rank on another host than `ductile run`'s).
+/// writing to `output`, set up as `setup` says, and with `network`'s environment and
+/// working directory (a rank on another host than `ductile run`'s).
 ///
 /// # Errors
 /// The program cannot be started.
@@ -53,9 +63,8 @@ pub fn spawn_with_channel(
     program: &OsStr,
     args: &[impl AsRef<OsStr>],
     channel: &UnixStream,
-    new_group: bool,
+    setup: Setup,
     (input, output): (Input, Output),
-    parent_death: bool,
     network: Option<&Network>,
 ) -> std::io::Result<Child> {
     let fd = channel.as_raw_fd();
@@ -94,9 +103,13 @@ pub fn spawn_with_channel(
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     }
     // SAFETY: the closure runs in the forked child before exec and calls only
-    // async-signal-safe functions (fcntl, dup2, setpgid, prctl, getppid).
+    // async-signal-safe functions (fcntl, dup2, setpgid, prctl, getppid,
+    // sched_setaffinity).
     unsafe {
-        cmd.pre_exec(move || child_setup(Some(fd), new_group, parent_death.then_some(parent)));
+        cmd.pre_exec(move || {
+            child_setup(Some(fd), setup.new_group, setup.parent_death.then_some(parent))?;
+            setup.cpus.as_ref().map_or(Ok(()), crate::bind::bind_self)
+        });
     }
     cmd.spawn()
 }

@@ -266,3 +266,31 @@ pub fn assert_key_not_in(pid: u64, leaks: &dyn Fn(&str, &str), copy: &dyn Fn(&[u
 }
 
 pub mod netns;
+
+/// The CPUs this process may run on: as the kernel lists them (`0-1`) and one by one.
+pub fn own_cpus() -> (String, Vec<u32>) {
+    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
+    let list = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).expect("Cpus_allowed_list");
+    let set = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).expect("sched_getaffinity");
+    let cpus = (0..nix::sched::CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false));
+    (list.trim().to_string(), cpus.map(|c| u32::try_from(c).expect("a CPU number")).collect())
+}
+
+/// What `ductile run --report-bindings` said of each rank: (endpoint id, node, the CPUs
+/// it was bound to as listed, or None for "not bound"), in the order printed.
+pub fn reported_bindings(stderr: &str) -> Vec<(u32, u32, Option<String>)> {
+    stderr
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("ductile: rank ")?;
+            let (id, rest) = rest.split_once(" (node ")?;
+            let (node, rest) = rest.split_once(", pid ")?;
+            let (_, what) = rest.split_once("): ")?;
+            let cpus = match what {
+                "not bound" => None,
+                w => Some(w.strip_prefix("bound to CPUs ")?.split_once(" (one ")?.0.to_string()),
+            };
+            Some((id.parse().ok()?, node.parse().ok()?, cpus))
+        })
+        .collect()
+}

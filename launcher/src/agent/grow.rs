@@ -91,7 +91,8 @@ pub(super) async fn start_child(
             let exe = crate::spawn::own_exe().map_err(|e| fail(e.to_string()))?;
             let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| fail(e.to_string()))?;
             let io = (Input::Null, Output::Inherit);
-            let child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, io, false, None)
+            let setup = Setup { new_group: true, ..Setup::default() };
+            let child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, setup, io, None)
                 .map_err(|e| fail(format!("cannot start its agent: {e}")))?;
             drop(theirs);
             let channel = ours.set_nonblocking(true).and_then(|()| UnixStream::from_std(ours));
@@ -102,6 +103,7 @@ pub(super) async fn start_child(
     let handoff = AgentHandoff {
         node,
         ids: o.ids,
+        slots: o.slots,
         joining: Some(Joining { token: o.token, spawns: o.spawns }),
         adopt: None,
         // A node world on another host than the controller's is remote (connects over

@@ -19,6 +19,7 @@
 mod channel;
 mod grow;
 
+use crate::bind::BindTo;
 use crate::output::{forward, Sink, Stream};
 use crate::proto::HEARTBEAT_LOSS;
 use crate::proto::{
@@ -26,7 +27,7 @@ use crate::proto::{
     SpawnOrder, ToAgent,
 };
 use crate::proto::{AGENT_VERSION, STDIO_MAGIC};
-use crate::spawn::{signal_pid, spawn_with_channel, Input, Output};
+use crate::spawn::{signal_pid, spawn_with_channel, Input, Output, Setup};
 use anyhow::{bail, Context as _};
 pub use channel::Uplink;
 use channel::{bind_host, connect, parent_channel, Heard};
@@ -265,13 +266,14 @@ async fn settle(h: &AgentHandoff, growing: usize, grown_rx: &mut mpsc::Unbounded
 }
 
 async fn start_ranks(h: &AgentHandoff, up: &Uplink) -> anyhow::Result<NodeWorld> {
+    let cpus = bindings(h)?;
     let (exit_tx, exits) = mpsc::unbounded_channel();
     let mut out =
         NodeWorld { procs: HashMap::new(), readers: Vec::new(), forwarders: Vec::new(), exits, adopted: None };
-    for &id in &h.ids {
+    for (&id, cpus) in h.ids.iter().zip(&cpus) {
         let started = match &h.adopt {
             Some(a) => adopt_rank(h, id, a, &mut out, &exit_tx).await,
-            None => start_rank(h, id, &mut out, (&exit_tx, up)).await,
+            None => start_rank(h, (id, cpus.as_deref()), &mut out, (&exit_tx, up)).await,
         };
         if let Err(e) = started {
             end_ranks(&mut out).await;
@@ -281,10 +283,39 @@ async fn start_ranks(h: &AgentHandoff, up: &Uplink) -> anyhow::Result<NodeWorld>
     Ok(out)
 }
 
-/// Starts rank `id` of the node world `out` and hands it its settings.
+/// The CPUs each of `h`'s ranks is bound to (`--bind-to`), in the order of `h.ids`
+/// (`None` each when they are not bound), from this agent's own CPUs (see
+/// [`crate::bind`]). Says once when ranks of the job on this host share units.
+fn bindings(h: &AgentHandoff) -> anyhow::Result<Vec<Option<Vec<u32>>>> {
+    if h.bind_to == BindTo::None || h.adopt.is_some() {
+        return Ok(vec![None; h.ids.len()]);
+    }
+    if h.slots.len() != h.ids.len() {
+        bail!("{}: {} binding slots for {} ranks", h.node, h.slots.len(), h.ids.len());
+    }
+    let units = crate::bind::host_units(h.bind_to).context("cannot read the CPUs ranks may be bound to")?;
+    let top = h.slots.iter().max().map_or(0, |&s| s as usize);
+    if top >= units.len() {
+        crate::say_errln!(
+            "ductile: warning: {}: more ranks on this host than {}s to bind them to ({}): some share one",
+            h.node,
+            h.bind_to.unit(),
+            units.len()
+        );
+    }
+    let unit = |&s: &u32| crate::bind::unit_of(&units, s).map(<[u32]>::to_vec);
+    let cpus: Vec<_> = h.slots.iter().map(unit).collect();
+    if cpus.iter().any(Option::is_none) {
+        bail!("{}: no CPU to bind ranks to", h.node);
+    }
+    Ok(cpus)
+}
+
+/// Starts rank `id` of the node world `out`, bound to `cpus` if set, and hands it its
+/// settings.
 async fn start_rank(
     h: &AgentHandoff,
-    id: Rank,
+    (id, cpus): (Rank, Option<&[u32]>),
     out: &mut NodeWorld,
     (exit_tx, up): (&mpsc::UnboundedSender<(Rank, Exit)>, &Uplink),
 ) -> anyhow::Result<()> {
@@ -293,14 +324,22 @@ async fn start_rank(
     // `controller::stdin_for`); every other rank reads nothing.
     let input = if id == Rank(0) && h.joining.is_none() { Input::Inherit } else { Input::Null };
     let network = h.network.as_ref().filter(|_| h.remote);
-    let spawned =
-        spawn_with_channel(h.program.as_ref(), &h.args, &theirs, false, (input, Output::Piped), true, network);
+    let set = cpus.map(crate::bind::cpu_set).transpose().with_context(|| format!("{id}: CPUs {cpus:?}"))?;
+    let setup = Setup { new_group: false, parent_death: true, cpus: set };
+    let spawned = spawn_with_channel(h.program.as_ref(), &h.args, &theirs, setup, (input, Output::Piped), network);
     let mut child = match spawned {
         Ok(c) => c,
         Err(e) => bail!("cannot start {} for {id}: {e}", h.program),
     };
     drop(theirs);
     let pid = child.id().unwrap_or(0);
+    if h.report_bindings {
+        let bound = match cpus {
+            Some(c) => format!("bound to CPUs {} (one {})", crate::bind::format_cpu_list(c), h.bind_to.unit()),
+            None => "not bound".to_owned(),
+        };
+        crate::say_errln!("ductile: {id} ({}, pid {pid}): {bound}", h.node);
+    }
     let prefix = h.tag_output.then(|| format!("[{}] ", id.0));
     let sink = |s| if h.remote { Sink::Up(s, up.clone()) } else { Sink::Local(s) };
     if let Some(o) = child.stdout.take() {

@@ -125,6 +125,10 @@ pub struct JobSpec {
     pub quiet: bool,
     /// Hosts, one per node of the pool; unset: simulated nodes on this host.
     pub hosts: Option<HostPool>,
+    /// What each rank is bound to.
+    pub bind_to: crate::bind::BindTo,
+    /// Say where each rank was bound.
+    pub report_bindings: bool,
 }
 
 /// What a failed process does to the job (`--on-failure`).
@@ -250,6 +254,8 @@ pub(crate) struct Ctl {
     agents: Vec<AgentConn>,
     /// Agent hosting each endpoint id.
     host: HashMap<Rank, usize>,
+    /// The binding slot of each endpoint id on its host (`--bind-to`; see [`crate::bind`]).
+    bound: HashMap<Rank, u32>,
     state: JobState,
     policy: Box<dyn ResourceManager>,
     flight: Option<InFlight>,
@@ -427,6 +433,7 @@ pub async fn run(spec: JobSpec) -> anyhow::Result<i32> {
         closing: std::sync::Arc::default(),
         agents: Vec::new(),
         host: HashMap::new(),
+        bound: HashMap::new(),
         state,
         policy,
         flight: None,
@@ -487,6 +494,9 @@ impl Ctl {
             key: self.key.clone(),
             node,
             ids,
+            bind_to: self.spec.bind_to,
+            slots: Vec::new(),
+            report_bindings: self.spec.report_bindings,
             program: self.spec.program.to_string_lossy().into_owned(),
             args: self.spec.args.clone(),
             transport: self.spec.transport.clone(),
@@ -504,10 +514,26 @@ impl Ctl {
         }
     }
 
+    /// Binding slots for `new` processes, each on its node, which then hold them: on
+    /// each host the lowest ones that no process of the job there holds. Empty when
+    /// ranks are not bound.
+    fn bind_slots(&mut self, new: &[(Rank, NodeId)]) -> Vec<u32> {
+        if self.spec.bind_to == crate::bind::BindTo::None {
+            return Vec::new();
+        }
+        // Simulated nodes all share this host: their host name is None.
+        let held = self.state.ranks.iter().zip(&self.state.nodes);
+        let held: Vec<_> = held.filter_map(|(r, n)| self.bound.get(r).map(|&s| (self.host_name(*n), s))).collect();
+        let slots = crate::bind::assign(held, new.iter().map(|(_, n)| self.host_name(*n)));
+        self.bound.extend(new.iter().map(|(r, _)| *r).zip(slots.iter().copied()));
+        slots
+    }
+
     /// Starts the agents of the initial layout.
     async fn start(&mut self) -> anyhow::Result<()> {
         for plan in self.spec.layout.nodes.clone() {
             let mut h = self.handoff(plan.node, plan.rank_ids().collect());
+            h.slots = self.bind_slots(&plan.rank_ids().map(|r| (r, plan.node)).collect::<Vec<_>>());
             h.adopt = self.spec.adopt.clone();
             let idx = self.agents.len();
             let host = self.remote_host(plan.node).map(str::to_owned);

@@ -352,8 +352,12 @@ impl Ctl {
             }
         }
         let mut orders = self.state.grow_orders(&plan, &tokens);
+        let new: Vec<(Rank, NodeId)> = (orders.group_ids.iter().zip(&orders.group_nodes))
+            .flat_map(|(ids, n)| ids.iter().map(move |r| (*r, *n)))
+            .collect();
+        let slots: HashMap<Rank, u32> = new.iter().map(|(r, _)| *r).zip(self.bind_slots(&new)).collect();
         for (_, o) in &mut orders.roots {
-            self.place(o);
+            self.place(o, &slots);
         }
         // One agent entry per new node world; it connects later with its token.
         let epoch = self.state.epoch + 1;

@@ -8,9 +8,10 @@ use super::{stdin_for, Ending, Event};
 use crate::proto::ToAgent;
 use crate::proto::{ChannelRead, ChannelWrite};
 use crate::proto::{Hello, Network};
-use crate::spawn::{spawn_with_channel, Output};
+use crate::spawn::{spawn_with_channel, Output, Setup};
 use ductile::bootstrap::nonblocking;
 use ductile_transport::{auth, JobId, JobKey, NodeId, Rank};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -334,11 +335,13 @@ impl super::Ctl {
         }
     }
 
-    /// Names the host of every node world `o` and its subtree start.
-    pub(super) fn place(&self, o: &mut crate::proto::SpawnOrder) {
+    /// Names the host of every node world `o` and its subtree start, and its
+    /// processes' binding slots (from `slots`).
+    pub(super) fn place(&self, o: &mut crate::proto::SpawnOrder, slots: &HashMap<Rank, u32>) {
         o.host = self.host_name(o.node);
+        o.slots = o.ids.iter().filter_map(|r| slots.get(r).copied()).collect();
         for s in &mut o.spawns {
-            self.place(s);
+            self.place(s, slots);
         }
     }
 
@@ -347,8 +350,9 @@ impl super::Ctl {
         let exe = crate::spawn::own_exe()?;
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         let input = stdin_for(node, self.spec.adopt.is_some());
-        let child =
-            spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, true, (input, Output::Inherit), true, None)?;
+        // A node world of its own, ended with the controller.
+        let setup = Setup { new_group: true, parent_death: true, cpus: None };
+        let child = spawn_with_channel(exe.as_os_str(), &["agent"], &theirs, setup, (input, Output::Inherit), None)?;
         drop(theirs);
         ours.set_nonblocking(true)?;
         let (rx, tx) = UnixStream::from_std(ours)?.into_split();
