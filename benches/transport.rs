@@ -209,10 +209,19 @@ fn parse_elapsed(out: &std::process::Output, what: &str) -> Duration {
 }
 
 fn ductile_job(b: &Backend, mode: &str, iters: u64, size: usize) -> Duration {
+    ductile_job_bound(b, mode, iters, size, false)
+}
+
+/// A job of two ranks, each bound to a CPU of its own if `bound`: the first two this
+/// process may run on (those of [`two_cpus`]).
+fn ductile_job_bound(b: &Backend, mode: &str, iters: u64, size: usize, bound: bool) -> Duration {
     let n = runs(iters, size);
     let me = std::env::current_exe().expect("bench executable path");
     let mut cmd = Command::new(ductile_bin());
     cmd.args(["run", "-n", "2", "--nodes", "2", "--timeout", "600", "--transport", b.name]);
+    if bound {
+        cmd.args(["--bind-to", "hwthread"]);
+    }
     if let Some(p) = b.provider {
         cmd.args(["--fabric-provider", p]);
     }
@@ -238,9 +247,34 @@ fn mpi_job(peer: &PathBuf, btl: &str, mode: &str, iters: u64, size: usize) -> Du
     scaled(parse_elapsed(&out, "Open MPI peer"), n, iters)
 }
 
+/// The first two CPUs this process may run on (the second is the first again on a
+/// machine of one), where `ductile run --bind-to hwthread` puts ranks 0 and 1.
+fn two_cpus() -> [String; 2] {
+    let set = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).expect("sched_getaffinity");
+    let cpus: Vec<usize> = (0..nix::sched::CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect();
+    [cpus[0].to_string(), cpus[1 % cpus.len()].to_string()]
+}
+
+/// `program`, bound to `cpu` if set (by `taskset`).
+fn pinned(program: &str, cpu: Option<&str>) -> Command {
+    match cpu {
+        Some(c) => {
+            let mut cmd = Command::new("taskset");
+            cmd.args(["-c", c, program]);
+            cmd
+        }
+        None => Command::new(program),
+    }
+}
+
 /// `fi_pingpong` over `provider`: server and client on loopback; the time of `iters`
 /// one-way transfers of `size` bytes as the client reports it (`usec/xfer`).
 fn fi_job(provider: &str, domain: &str, iters: u64, size: usize) -> Duration {
+    fi_job_bound(provider, domain, iters, size, None)
+}
+
+/// [`fi_job`] with the server bound to `cpus[0]` and the client to `cpus[1]`, if set.
+fn fi_job_bound(provider: &str, domain: &str, iters: u64, size: usize, cpus: Option<&[String; 2]>) -> Duration {
     let mut args = vec!["-p", provider, "-e", "rdm"];
     if !domain.is_empty() {
         args.extend(["-d", domain]);
@@ -251,7 +285,7 @@ fn fi_job(provider: &str, domain: &str, iters: u64, size: usize) -> Duration {
     // scaled to `iters`.
     let (iters_s, size_s) = (runs(iters, size).to_string(), size.to_string());
     args.extend(["-I", &iters_s, "-S", &size_s]);
-    let mut server = Command::new("fi_pingpong")
+    let mut server = pinned("fi_pingpong", cpus.map(|c| c[0].as_str()))
         .args(&args)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -262,7 +296,7 @@ fn fi_job(provider: &str, domain: &str, iters: u64, size: usize) -> Duration {
     let mut out = None;
     for _ in 0..50 {
         std::thread::sleep(Duration::from_millis(50));
-        let client = Command::new("fi_pingpong")
+        let client = pinned("fi_pingpong", cpus.map(|c| c[1].as_str()))
             .args(&args)
             .arg("127.0.0.1")
             .stdout(std::process::Stdio::piped())
@@ -394,6 +428,15 @@ fn paired() {
             row("8 B latency (ns)", label, &format!("fi_pingpong {provider}"), &|| {
                 let d = lat(ductile_job(be, "latency", iters, LAT_SIZE), iters) / 2.0;
                 (d, lat(fi_job(provider, domain, iters, LAT_SIZE), iters))
+            });
+            // Both sides bound to the same two CPUs, one process each (`ductile run
+            // --bind-to`, `taskset` for `fi_pingpong`), as `mpirun --bind-to core`
+            // and `srun --cpu-bind` run jobs.
+            let cpus = two_cpus();
+            let what = format!("8 B latency, bound to CPUs {} and {} (ns)", cpus[0], cpus[1]);
+            row(&what, label, &format!("fi_pingpong {provider}"), &|| {
+                let d = lat(ductile_job_bound(be, "latency", iters, LAT_SIZE, true), iters) / 2.0;
+                (d, lat(fi_job_bound(provider, domain, iters, LAT_SIZE, Some(&cpus)), iters))
             });
         }
     }

@@ -521,6 +521,9 @@ impl Ctl {
         if self.spec.bind_to == crate::bind::BindTo::None {
             return Vec::new();
         }
+        // Only the job's processes hold slots: those that left or failed freed theirs.
+        let live: HashSet<Rank> = self.state.ranks.iter().copied().collect();
+        self.bound.retain(|r, _| live.contains(r));
         // Simulated nodes all share this host: their host name is None.
         let held = self.state.ranks.iter().zip(&self.state.nodes);
         let held: Vec<_> = held.filter_map(|(r, n)| self.bound.get(r).map(|&s| (self.host_name(*n), s))).collect();
