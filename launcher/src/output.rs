@@ -6,12 +6,22 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, BufReader};
 /// Writes to a standard stream without ever panicking: the launcher's stdout or stderr
 /// may be a pipe whose reader has gone (`ductile run ... 2>&1 | head`), and a message it
 /// cannot print must not end the controller before it has ended the job and cleaned up.
+/// The text is formatted first and written at once: the agents of simulated nodes share
+/// the launcher's stderr, which is unbuffered, and a `writeln!` there writes each piece
+/// of its format with a system call of its own, so two agents' lines could interleave
+/// mid-line (a line up to `PIPE_BUF`, 4 KiB, written at once to a pipe stays whole).
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __say {
-    ($stream:expr, $how:ident, $($arg:tt)*) => {{
+    ($stream:expr, write, $($arg:tt)*) => {{
         use std::io::Write as _;
-        let _ = $how!($stream, $($arg)*);
+        let _ = $stream.write_all(format!($($arg)*).as_bytes());
+    }};
+    ($stream:expr, writeln, $($arg:tt)*) => {{
+        use std::io::Write as _;
+        let mut text = format!($($arg)*);
+        text.push('\n');
+        let _ = $stream.write_all(text.as_bytes());
     }};
 }
 
