@@ -13,7 +13,7 @@
 //! since the rod's lost parts cannot be rebuilt without their history, the solver
 //! starts again from the initial condition on the processes left (an application with
 //! checkpoints of its own would reload its last one instead). The checksum is then
-//! still that of a fixed-size run. `--fail-at RANK:ITER` makes a process fail, for
+//! still that of a fixed-size run. `--fail-at RANK:ITER[:EPOCH]` makes a process fail, for
 //! drills and tests.
 //!
 //! ```text
@@ -55,9 +55,10 @@ struct Args {
     #[arg(long, value_name = "P")]
     ask: Option<u32>,
     /// The process that is rank RANK at iteration ITER exits with code 3, before any
-    /// change (a failure drill for `ductile run --on-failure shrink`).
-    #[arg(long, value_name = "RANK:ITER", value_parser = parse_fail_at)]
-    fail_at: Option<(usize, u64)>,
+    /// change, or in epoch EPOCH (a failure drill for `ductile run --on-failure
+    /// shrink`).
+    #[arg(long, value_name = "RANK:ITER[:EPOCH]", value_parser = parse_fail_at)]
+    fail_at: Option<(usize, u64, u64)>,
     /// The process that is rank RANK exits with code 3 at its first iteration while a
     /// change's constant data moves in the background (with `--background`).
     #[arg(long, value_name = "RANK")]
@@ -68,10 +69,11 @@ struct Args {
     hold: Option<PathBuf>,
 }
 
-fn parse_fail_at(s: &str) -> Result<(usize, u64), String> {
-    let bad = || format!("{s:?} is not RANK:ITER");
-    let (r, i) = s.split_once(':').ok_or_else(bad)?;
-    Ok((r.parse().map_err(|_| bad())?, i.parse().map_err(|_| bad())?))
+fn parse_fail_at(s: &str) -> Result<(usize, u64, u64), String> {
+    let bad = || format!("{s:?} is not RANK:ITER[:EPOCH]");
+    let (r, rest) = s.split_once(':').ok_or_else(bad)?;
+    let (i, e) = rest.split_once(':').unwrap_or((rest, "0"));
+    Ok((r.parse().map_err(|_| bad())?, i.parse().map_err(|_| bad())?, e.parse().map_err(|_| bad())?))
 }
 
 const TAG_TO_LEFT: u32 = 1;
@@ -257,7 +259,7 @@ fn main() -> anyhow::Result<()> {
         let t_iter = Instant::now();
         let world = s.world().clone();
         let start = s.block_range("u")?.start;
-        if args.fail_at == Some((world.rank(), it + 1)) && s.epoch() == 0 {
+        if args.fail_at == Some((world.rank(), it + 1, s.epoch())) {
             eprintln!("jacobi: rank {} fails at iteration {} (--fail-at)", world.rank(), it + 1);
             std::process::exit(3);
         }

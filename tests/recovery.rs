@@ -206,6 +206,82 @@ fn jacobi_survives_a_failure_with_the_checksum_of_a_fixed_size_run() {
     assert_eq!(survived, rigid, "{text}");
 }
 
+/// A growth 2 -> 4 of jacobi under `--on-failure shrink` in which `fail_at`
+/// (`RANK:ITER:EPOCH`) fails while the controller still takes the growth to be
+/// switching (its switch report held back by `DUCTILE_TEST_SWITCH_RELAY_DELAY_MS`);
+/// returns the checksum, stdout and stderr.
+fn failure_as_a_growth_switches(fail_at: &str, name: &str) -> (String, String, String) {
+    let report = tmp(name);
+    let jacobi = ex("jacobi");
+    let mut argv = vec!["run", "--timeout", "120", "--on-failure", "shrink", "--report", report.to_str().unwrap()];
+    argv.extend(["-n", "2", "--nodes", "2", "--slots", "1", "--max-nodes", "4", "--policy", "steps:4", "--"]);
+    argv.extend([jacobi.as_str(), "--points", "50000", "--iters", "120", "--every", "10", "--fail-at", fail_at]);
+    let out = ductile(&argv)
+        .env("DUCTILE_TEST_SWITCH_RELAY_DELAY_MS", "5000")
+        .env("DUCTILE_LOG", "ductile_launcher::controller::recovery=info")
+        .output()
+        .expect("start ductile");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{argv:?}: {:?}\n{stdout}\n{stderr}", out.status);
+    assert_no_survivors(&report);
+    let v = read_report(&report);
+    let rcs: Vec<_> = v["reconfigurations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["kind"].as_str().unwrap().to_owned(), r["trigger"].as_str().unwrap().to_owned()))
+        .collect();
+    assert_eq!(rcs, [("grow".into(), "policy".into()), ("shrink".into(), "failure".into())], "{v:#}");
+    assert_eq!(v["reconfigurations"][1]["failed"], serde_json::json!([fail_at[..1].parse::<u64>().unwrap()]));
+    assert!(stdout.contains("processes 3 "), "{stdout}");
+    let line = stdout.lines().find(|l| l.contains("checksum")).unwrap_or_else(|| panic!("{stdout}"));
+    let sum = line.split("checksum ").nth(1).unwrap().split_whitespace().next().unwrap().to_owned();
+    (sum, stdout.into_owned(), stderr.into_owned())
+}
+
+#[test]
+fn a_failure_as_a_growth_switches_is_recovered_from_in_the_new_group() {
+    let jacobi = ex("jacobi");
+    let out = run(&["run", "-n", "2", "--", &jacobi, "--points", "50000", "--iters", "120", "--every", "10"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rigid = text.split("checksum ").nth(1).unwrap().split_whitespace().next().unwrap().to_owned();
+    // A new process fails in its first iteration: before, "the job cannot recover:
+    // another change was switching", and the job ended with its code (3).
+    let (sum, stdout, stderr) = failure_as_a_growth_switches("3:11:1", "recover-new-fails");
+    assert!(stdout.contains("jacobi: ranks [3] of 4 failed"), "{stdout}");
+    assert!(stderr.contains("the job goes on without it: 3 processes on 3 nodes"), "{stderr}");
+    assert_eq!(sum, rigid, "{stdout}");
+    // The new group's rank 0 fails: its switch report is still on its way (5 s), and
+    // every survivor's readiness at the new epoch tells the controller the growth
+    // switched.
+    let (sum, stdout, stderr) = failure_as_a_growth_switches("0:11:1", "recover-root-fails");
+    assert!(stdout.contains("jacobi: ranks [0] of 4 failed"), "{stdout}");
+    assert!(stderr.contains("every survivor is at epoch 1: the change under way has switched"), "{stderr}");
+    assert_eq!(sum, rigid, "{stdout}");
+}
+
+#[test]
+fn a_process_dying_in_the_middle_of_a_growths_move_still_ends_the_job() {
+    // New process 3 of a growth 2 -> 4 aborts in its move: the survivors cannot all
+    // finish the switch, and their data is half moved.
+    for method in ["collective", "p2p", "rma"] {
+        let report = tmp(&format!("recover-dies-in-move-{method}.json"));
+        let prog = ex("redist");
+        let mut args = vec!["run", "--timeout", "120", "--on-failure", "shrink", "--report", report.to_str().unwrap()];
+        args.extend(["-n", "2", "--slots", "1", "--max-nodes", "4", "--policy", "steps:4", "--redistribution", method]);
+        args.extend(["--", &prog, "--large", "8000000"]);
+        let started = Instant::now();
+        let out = ductile(&args).env("DUCTILE_TEST_DIE_IN_MOVE", "3").output().expect("start ductile");
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(stderr.contains("member 3 aborts in the middle of a move"), "{method}: {stderr}");
+        assert_eq!(out.status.code(), Some(134), "{method}: {stderr}");
+        assert!(stderr.contains("the job cannot recover"), "{method}: {stderr}");
+        assert!(!stdout.contains("data intact"), "{method}: a change was reported complete: {stdout}");
+        assert!(started.elapsed() < Duration::from_secs(60), "{method}: took {:?}", started.elapsed());
+        assert_no_survivors(&report);
+    }
+}
+
 #[test]
 fn without_on_failure_shrink_a_failure_still_ends_the_job() {
     let fault = ex("fault");

@@ -209,6 +209,12 @@ impl Ctl {
                 if self.failed.is_some() || self.ending.is_some() {
                     return;
                 }
+                if count == 0 && self.recovering.is_some() {
+                    // A process joining a change that a failure interrupted: it exits
+                    // next, and its exit is a failure the recovery takes in (or not).
+                    tracing::info!("{id} failed joining during a recovery: {reason}");
+                    return;
+                }
                 // The controller's ranks are already the new membership's; the process
                 // failed in the old one (or, joining, is only in the new one).
                 let who = match (count, rank == id.0) {
@@ -661,7 +667,7 @@ impl Ctl {
         self.send(root.0, &ToAgent::ToRank(root.1, decision)).await;
     }
 
-    async fn on_switched(&mut self, epoch: u64, times: SwitchTimes) {
+    pub(super) async fn on_switched(&mut self, epoch: u64, times: SwitchTimes) {
         let Some(f) = self.flight.as_mut() else {
             tracing::warn!("switch report outside a change ignored");
             return;

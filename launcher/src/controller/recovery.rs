@@ -12,10 +12,20 @@
 //! switch, and the reconfiguration is recorded with `trigger: failure`. A node lost
 //! with its agent leaves the pool: no growth goes there again.
 //!
-//! The job still ends when it cannot recover: no survivor left, a failure while
-//! another change is under way, a process that could not finish a shrink's switch
-//! because one that left in it ended badly (see [`Ctl::left_behind`]), or survivors
-//! that do not reach a checkpoint within the wait timeout.
+//! A failure while a change switches is recovered from at the change's epoch: a
+//! survivor commits to the new membership only once the change's last collective has
+//! returned, which it does on no process before every process has moved its data. So a
+//! survivor ready to recover at the new epoch holds its part of the new layout whole.
+//! If every survivor is, the change has switched (whether or not its switch report
+//! comes: its new rank 0 may be the process that failed), and the recovery follows it.
+//! A survivor that could not finish the switch (it waited on the failed process; it is
+//! told the process is gone after [`GONE_GRACE`]) is ready only at the old epoch, with
+//! its data half moved, and the job ends.
+//!
+//! The job also ends when it cannot recover: no survivor left, a failure while a
+//! change's data moves in the background, a process that could not finish a shrink's
+//! switch because one that left in it ended badly (see [`Ctl::left_behind`]), or
+//! survivors that do not reach a checkpoint within the wait timeout.
 
 use super::{Ctl, Ending, OnFailure};
 use crate::proto::ToAgent;
@@ -160,12 +170,10 @@ impl Ctl {
         if !self.fenced {
             return Some("the job had not started yet".into());
         }
-        if let Some(f) = self.flight.as_ref().filter(|f| f.switching()) {
-            return Some(if f.in_background() {
-                "another change was under way in the background".into()
-            } else {
-                "another change was switching".into()
-            });
+        // A switch in the foreground is recovered from at its epoch (see the module's
+        // doc); one whose data moves in the background is not (its ranks refuse).
+        if self.flight.as_ref().is_some_and(|f| f.switching() && f.in_background()) {
+            return Some("another change was under way in the background".into());
         }
         if !ids.iter().any(|r| self.state.ranks.contains(r)) {
             return Some("the processes were not in the job's group".into());
@@ -253,6 +261,10 @@ impl Ctl {
             "ductile: {why}; the job goes on without it: {n} process{ps} on {k} node{ns} (--on-failure shrink)"
         );
         let why_first = why.clone();
+        // Processes of a change still switching that wait on the failed ones are not
+        // interrupted by the notice (it spares the change's waits): they are told the
+        // failed processes are gone, and then fail their switch.
+        self.announce_gone(members.clone(), why.clone());
         let notice = ToRank::Failure(Failure { epoch, failed: members, why });
         for s in survivors {
             if let Some(&a) = self.host.get(&s) {
@@ -280,7 +292,11 @@ impl Ctl {
                 // It failed in an earlier epoch (still switching when the others had):
                 // it cannot take part.
                 let theirs = r.epoch;
-                let why = format!("{} was ready to recover at epoch {epoch}, the others at {theirs}", self.who(id));
+                let why = format!(
+                    "{} was ready to recover at epoch {epoch}, the others at {theirs} (it could not finish the \
+                     switch to {theirs}, its data half moved)",
+                    self.who(id)
+                );
                 crate::say_errln!("ductile: the job cannot recover: {why}");
                 self.give_up(Ending::Reconfig(why));
             }
@@ -312,6 +328,15 @@ impl Ctl {
     /// Once every survivor is ready, and no change is under way: sends them the change
     /// that leaves the failed processes out.
     pub(super) async fn recovered_all(&mut self) {
+        let epoch = self.state.epoch;
+        let all_at_it = self.recovering.as_ref().is_some_and(|r| r.waiting.is_empty() && r.epoch == epoch);
+        if all_at_it && self.flight.as_ref().is_some_and(super::InFlight::switching) {
+            // Every survivor committed to the change's membership (see the module's
+            // doc): it switched, even if its report never comes (its new rank 0
+            // failed) or is still on its way. The change completes, then the recovery.
+            tracing::info!("every survivor is at epoch {epoch}: the change under way has switched");
+            return Box::pin(self.on_switched(epoch, ductile::bootstrap::SwitchTimes::default())).await;
+        }
         if self.flight.is_some() {
             // A shrink releasing its processes, or a growth being abandoned: the
             // recovery follows when it is done.
