@@ -137,6 +137,26 @@ fn a_process_leaving_after_a_failure_leaves_at_once_over_quic() {
 }
 
 #[test]
+fn ranks_that_see_a_failure_before_the_launcher_does_recover_at_their_next_checkpoint() {
+    // Rank 1's agent reports its exit a second late: the others' transports see it fail
+    // first, and they take their next checkpoints without a word from the launcher.
+    // Before, rank 0 took the controller's answer (no change: it knew of no failure)
+    // and led the others on past checkpoints with a dead member; it then failed too
+    // (`ranks [0, 1] of 4 failed`), one job in some 16 without the delay.
+    let report = tmp("recover-seen-first");
+    let fault = ex("fault");
+    let mut argv = vec!["run", "--on-failure", "shrink", "--timeout", "120", "-n", "4", "--nodes", "4"];
+    argv.extend(["--report", report.to_str().unwrap(), "--", &fault, "recover", "1", "2", "4", "0"]);
+    let out = ductile(&argv).env("DUCTILE_TEST_EXIT_REPORT_DELAY_MS", "1000").output().expect("start ductile");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{:?}\n{stdout}\n{stderr}", out.status);
+    assert!(stdout.contains("ranks [1] of 4 failed (rank 1 on node 1 exited with code 3)"), "{stdout}\n{stderr}");
+    assert!(stdout.contains("recover: done with 3 processes, the data whole"), "{stdout}");
+    assert_no_survivors(&report);
+    assert_eq!(failure_shrink(&read_report(&report))["failed"], serde_json::json!([1]));
+}
+
+#[test]
 fn large_blocks_recover_intact_where_their_pages_are_recycled() {
     // 160 MiB over 4: blocks of 40 MiB live in mappings of their own over tcp, whose
     // pages the move recycles (see `runtime/src/anon.rs`); rank 1 fails.

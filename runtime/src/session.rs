@@ -584,9 +584,19 @@ impl Session {
         self.in_group()?;
         self.count += 1;
         let notified = self.watcher.as_ref().and_then(control::Watcher::failure);
-        let step = match notified {
-            Some(f) => Err(Error::Transport(ductile_transport::TransportError::Interrupted(f.why))),
-            None => self.checkpoint_step(mode),
+        // A member this process's transport saw fail, before the launcher's notice came:
+        // the checkpoint recovers, as after the notice. (Going on instead, rank 0 could
+        // take the controller's answer for the old group, which it gave knowing of no
+        // failure, and lead the others past checkpoints with a dead member.)
+        let lost = if self.recover && self.moving.is_none() {
+            self.endpoint.mailbox().lost_among(&self.membership.ranks)
+        } else {
+            None
+        };
+        let step = match (notified, lost) {
+            (Some(f), _) => Err(Error::Transport(ductile_transport::TransportError::Interrupted(f.why))),
+            (None, Some(r)) => Err(Error::Transport(ductile_transport::TransportError::PeerLost(r))),
+            (None, None) => self.checkpoint_step(mode),
         };
         match step {
             Err(e) if self.recover && e.is_failure() => {

@@ -599,6 +599,14 @@ impl Mailbox {
         st.ended.contains_key(&r) || st.is_fenced(r)
     }
 
+    /// The first of `ranks` whose connection broke without a goodbye ([`PeerEnd::Lost`]),
+    /// if any: a process that failed, as this process's transport saw it.
+    #[must_use]
+    pub fn lost_among(&self, ranks: &[Rank]) -> Option<Rank> {
+        let st = self.lock();
+        ranks.iter().copied().find(|r| st.ended.get(r) == Some(&PeerEnd::Lost))
+    }
+
     /// Why a dial to peer `r` failed: the peer is lost if it is known meanwhile to have
     /// ended ([`Mailbox::has_ended`]: the launcher said it is gone, say), whatever the
     /// dial's own timeout or I/O error. A handshake with a killed process times out, and

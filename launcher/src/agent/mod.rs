@@ -64,6 +64,11 @@ const DRAIN: Duration = Duration::from_secs(2);
 /// so that the tests can check that the change is still recorded.
 const SWITCH_RELAY_DELAY_ENV: &str = "DUCTILE_TEST_SWITCH_RELAY_DELAY_MS";
 
+/// Testing knob: this agent reports a rank's exit to the controller only after as many
+/// milliseconds, as a starved agent may, so that the tests can check what the other
+/// ranks do when their transports see the failure long before the launcher's notice.
+const EXIT_REPORT_DELAY_ENV: &str = "DUCTILE_TEST_EXIT_REPORT_DELAY_MS";
+
 struct Proc {
     pid: u32,
     tx: OwnedWriteHalf,
@@ -603,6 +608,9 @@ impl Supervisor {
                 },
                 Some((rank, exit)) = world.exits.recv() => {
                     world.procs.remove(&rank);
+                    if let Some(d) = std::env::var(EXIT_REPORT_DELAY_ENV).ok().and_then(|v| v.parse().ok()) {
+                        tokio::time::sleep(Duration::from_millis(d)).await;
+                    }
                     let _ = self.up.send(&FromAgent::RankExited { rank, exit }).await;
                 }
                 Some((id, m)) = msgs.recv() => self.relay(id, m).await,
