@@ -19,8 +19,8 @@
 //! If every survivor is, the change has switched (whether or not its switch report
 //! comes: its new rank 0 may be the process that failed), and the recovery follows it.
 //! A survivor that could not finish the switch (it waited on the failed process; it is
-//! told the process is gone after [`GONE_GRACE`]) is ready only at the old epoch, with
-//! its data half moved, and the job ends.
+//! told the process is gone after [`GONE_GRACE`]) is ready only at the old epoch, its
+//! data perhaps half moved, and the job ends.
 //!
 //! The job also ends when it cannot recover: no survivor left, a failure while a
 //! change's data moves in the background, a process that could not finish a shrink's
@@ -294,7 +294,7 @@ impl Ctl {
                 let theirs = r.epoch;
                 let why = format!(
                     "{} was ready to recover at epoch {epoch}, the others at {theirs} (it could not finish the \
-                     switch to {theirs}, its data half moved)",
+                     switch to {theirs})",
                     self.who(id)
                 );
                 crate::say_errln!("ductile: the job cannot recover: {why}");
