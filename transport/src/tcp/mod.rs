@@ -165,7 +165,7 @@ async fn serve_gets(inner: Arc<Inner>, mut requests: UnboundedReceiver<Served>) 
 }
 
 impl Inner {
-    async fn reply(&self, s: Served) {
+    async fn reply(self: &Arc<Self>, s: Served) {
         if self.closed.load(Ordering::Acquire) {
             return;
         }
@@ -183,7 +183,7 @@ impl Inner {
         }
     }
 
-    async fn get(&self, dst: Rank, id: WindowId, offset: u64, len: u64) -> Result<Bytes, TransportError> {
+    async fn get(self: &Arc<Self>, dst: Rank, id: WindowId, offset: u64, len: u64) -> Result<Bytes, TransportError> {
         let req = GetRequest { window: id, offset, len };
         if let Some(local) = self.get_checked(dst, req)? {
             return Ok(local);
@@ -193,7 +193,13 @@ impl Inner {
     }
 
     /// A get straight into `into`: the reader thread reads a large reply into it.
-    async fn get_into(&self, dst: Rank, id: WindowId, offset: u64, mut into: Part) -> Result<Part, TransportError> {
+    async fn get_into(
+        self: &Arc<Self>,
+        dst: Rank,
+        id: WindowId,
+        offset: u64,
+        mut into: Part,
+    ) -> Result<Part, TransportError> {
         let req = GetRequest { window: id, offset, len: into.len() as u64 };
         if let Some(local) = self.get_checked(dst, req)? {
             // The window table returned exactly the range asked for.
@@ -221,16 +227,33 @@ impl Inner {
     }
 
     /// Sends get request `rid` to `dst`.
-    async fn request(&self, dst: Rank, rid: u64, req: GetRequest) -> Result<(), TransportError> {
+    async fn request(self: &Arc<Self>, dst: Rank, rid: u64, req: GetRequest) -> Result<(), TransportError> {
         let header = FrameHeader::get(FrameKind::GetRequest, self.me.rank, rid, REQUEST_LEN as u64).encode();
         self.outbound(dst).await?.send(header, Bytes::copy_from_slice(&req.encode())).await
     }
 
     /// The connection to `dst`, opened (and authenticated) on first use.
-    async fn outbound(&self, dst: Rank) -> Result<Arc<Outbound>, TransportError> {
+    ///
+    /// A task of its own opens it, and the caller waits for that task: a caller dropped
+    /// meanwhile (the sends of a collective whose receive a failure notice interrupted)
+    /// leaves the connection to be made. Before, the half-made connection was dropped
+    /// with the caller, and the peer, which had seen it authenticate and end without a
+    /// goodbye, took this process for lost: a survivor of a change abandoned for a
+    /// failure then failed its recovery, "gone" to the others.
+    async fn outbound(self: &Arc<Self>, dst: Rank) -> Result<Arc<Outbound>, TransportError> {
         if let Some(o) = lock(&self.out).get(&dst) {
             return Ok(o.clone());
         }
+        let this = self.clone();
+        match tokio::spawn(async move { this.open(dst).await }).await {
+            Ok(opened) => opened,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Err(TransportError::Closed),
+        }
+    }
+
+    /// [`Inner::outbound`]'s task: one dial per peer at a time.
+    async fn open(&self, dst: Rank) -> Result<Arc<Outbound>, TransportError> {
         let gate = lock(&self.connecting).entry(dst).or_default().clone();
         let _held = gate.lock().await;
         if let Some(o) = lock(&self.out).get(&dst) {
@@ -286,7 +309,7 @@ impl Inner {
         Outbound::new(dst, std_stream, self.pending.clone()).map_err(|e| TransportError::io(dst, e))
     }
 
-    async fn send(&self, dst: Rank, ctx: Context, tag: Tag, payload: Bytes) -> Result<(), TransportError> {
+    async fn send(self: &Arc<Self>, dst: Rank, ctx: Context, tag: Tag, payload: Bytes) -> Result<(), TransportError> {
         if self.closed.load(Ordering::Acquire) {
             return Err(TransportError::Closed);
         }
