@@ -442,6 +442,9 @@ impl Transport for FabricTransport {
                 // with it what the provider holds for it (over shm, a mapping of the
                 // peer's region, which would otherwise keep that memory for the rest of
                 // the job, one region per process that ever left).
+                // What still waits to go there fails first: nothing is posted to an
+                // address once it is removed.
+                inner.forget_address(a, &|| TransportError::PeerLost(rank));
                 lock(&inner.names).retain(|_, x| *x != a);
                 inner.ep.av().remove(a);
             }

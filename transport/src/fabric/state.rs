@@ -352,11 +352,11 @@ impl Inner {
             let mut sessions = lock(&self.sessions);
             let addr = sessions.addr_of(rank);
             sessions.forget(rank);
-            if let Some(a) = addr {
-                sessions.fail_dials_to(a, None, |_| err());
-            }
             addr
         };
+        if let Some(a) = addr {
+            self.forget_address(a, &err);
+        }
         let dropped = lock(&self.streams).forget(rank);
         if how == PeerEnd::Lost && !self.shutdown.load(Ordering::Acquire) {
             tracing::error!("{}: {rank} is lost ({why}); {dropped} undelivered messages dropped", self.me.rank);
@@ -371,7 +371,17 @@ impl Inner {
         self.ops.cancel_transfers(&self.ep, &self.transfers.bulk_from(rank));
         lock(&self.outgoing).retain(|_, o| o.peer != rank);
         lock(&self.leases).release_peer(rank);
-        for op in addr.map(|a| self.ops.drop_queued_to(a)).unwrap_or_default() {
+    }
+
+    /// Fails what waits on `fi_addr` without having reached the provider (its peer ended,
+    /// or left the job and the address is about to leave the address vector): the dials
+    /// to it, and the posts to it still queued behind a full queue, which a retry would
+    /// otherwise post to a removed address (over shm, to a peer region no longer mapped:
+    /// a crash inside libfabric, seen when a change abandoned for a failure had filled
+    /// a dead peer's queue).
+    pub(super) fn forget_address(&self, fi_addr: u64, err: &dyn Fn() -> TransportError) {
+        lock(&self.sessions).fail_dials_to(fi_addr, None, |_| err());
+        for op in self.ops.drop_queued_to(fi_addr) {
             if let Op::Send { done: Some(d), .. } = op {
                 let _ = d.send(Err(err()));
             }
