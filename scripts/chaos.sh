@@ -102,6 +102,10 @@ for i in $(seq "$jobs"); do
         verdict="$verdict; no report"
     fi
     echo "job $i: $transport, killed $victim, exit $rc after $took ms: $verdict"
+    if [ "$verdict" = ok ] && [ "$rc" != 0 ]; then
+        # Why the job could not recover, as the launcher said it.
+        grep -m1 'cannot recover' "$log" | sed 's/^/    /' || true
+    fi
     if [ "$verdict" != ok ]; then
         bad=1
         sed 's/^/    /' "$log" | grep -v '^ *[0-9]* *\(grow\|shrink\) ' | tail -5

@@ -280,6 +280,77 @@ fn a_failure_as_a_growth_switches_is_recovered_from_in_the_new_group() {
     assert_eq!(sum, rigid, "{stdout}");
 }
 
+/// A jacobi job under `--on-failure shrink` whose transition member `member` aborts in
+/// the change to epoch 1, after the transition group is built and before any data moves
+/// (`DUCTILE_TEST_DIE_IN_PREPARE`): `-n 2 --max-nodes 4 --policy steps:4` grows 2 -> 4,
+/// `shrink` instead shrinks 4 -> 2. Returns (checksum, processes at the end, stderr,
+/// report) after checking that the job succeeded and left nothing behind.
+fn dies_before_the_move(
+    member: u32,
+    transport: &[&str],
+    shrink: bool,
+    name: &str,
+) -> (String, String, String, serde_json::Value) {
+    let report = tmp(name);
+    let jacobi = ex("jacobi");
+    let mut argv = vec!["run", "--timeout", "120", "--on-failure", "shrink", "--report", report.to_str().unwrap()];
+    argv.extend(transport);
+    if shrink {
+        argv.extend(["-n", "4", "--nodes", "4", "--slots", "1", "--policy", "steps:2", "--"]);
+    } else {
+        argv.extend(["-n", "2", "--nodes", "2", "--slots", "1", "--max-nodes", "4", "--policy", "steps:4", "--"]);
+    }
+    argv.extend([jacobi.as_str(), "--points", "50000", "--iters", "120", "--every", "10"]);
+    let out = ductile(&argv).env("DUCTILE_TEST_DIE_IN_PREPARE", format!("{member}:1")).output().expect("start ductile");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{argv:?}: {:?}\n{stdout}\n{stderr}", out.status);
+    assert!(stderr.contains(&format!("member {member} aborts as the change to epoch 1 connects")), "{stderr}");
+    assert!(stderr.contains("resize 1 was abandoned in its switch to epoch 1"), "{stderr}");
+    assert!(stderr.contains("the job recovers as it was before it (epoch 0)"), "{stderr}");
+    assert_no_survivors(&report);
+    let line = stdout.lines().find(|l| l.contains("checksum")).unwrap_or_else(|| panic!("{stdout}"));
+    let sum = line.split("checksum ").nth(1).unwrap().split_whitespace().next().unwrap().to_owned();
+    let procs = line.split("processes ").nth(1).unwrap().split_whitespace().next().unwrap().to_owned();
+    (sum, procs, stderr.into_owned(), read_report(&report))
+}
+
+#[test]
+fn a_failure_before_any_process_moved_its_data_abandons_the_change_and_the_job_recovers_as_it_was() {
+    // Before, every such failure ended the job: a survivor not yet moving its data was
+    // ready to recover only at the old epoch, the others at the new one.
+    let jacobi = ex("jacobi");
+    let out = run(&["run", "-n", "2", "--", &jacobi, "--points", "50000", "--iters", "120", "--every", "10"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rigid = text.split("checksum ").nth(1).unwrap().split_whitespace().next().unwrap().to_owned();
+    // A new process of a growth 2 -> 4: the job goes on with its two old processes, the
+    // other new one ended; nothing was lost, and the growth is recorded as failed.
+    for (transport, name) in [(&[][..], "abandon-new-tcp"), (&["--transport", "quic"][..], "abandon-new-quic")] {
+        let (sum, procs, stderr, v) = dies_before_the_move(3, transport, false, name);
+        assert_eq!((sum.as_str(), procs.as_str()), (rigid.as_str(), "2"), "{transport:?}: {stderr}");
+        let rcs = v["reconfigurations"].as_array().unwrap();
+        assert_eq!(rcs.len(), 1, "{v:#}");
+        assert_eq!((rcs[0]["trigger"].as_str(), rcs[0]["procs_after"].as_u64()), (Some("failure"), Some(2)), "{v:#}");
+        assert!(rcs[0]["failed"].as_array().is_none_or(Vec::is_empty), "no old rank failed: {v:#}");
+        let failed = v["failed_growths"].as_array().unwrap();
+        assert!(
+            failed.len() == 1 && failed[0].as_str().unwrap().contains("resize 1: failed during its switch"),
+            "{v:#}"
+        );
+    }
+    // An old process of the same growth: the job goes on with the other one.
+    let (sum, procs, stderr, v) = dies_before_the_move(1, &[], false, "abandon-old");
+    assert_eq!((sum.as_str(), procs.as_str()), (rigid.as_str(), "1"), "{stderr}");
+    assert_eq!(v["reconfigurations"][0]["failed"], serde_json::json!([1]), "{v:#}");
+    // A process staying in a shrink 4 -> 2, over fabric shm: the three others go on,
+    // those that were to leave among them. (Before, the survivors' transports could
+    // post to the address of a process ended meanwhile, which shm had unmapped: a
+    // crash inside libfabric.)
+    let fabric = ["--transport", "fabric", "--fabric-provider", "shm"];
+    let (sum, procs, stderr, v) = dies_before_the_move(1, &fabric, true, "abandon-shrink-shm");
+    assert_eq!((sum.as_str(), procs.as_str()), (rigid.as_str(), "3"), "{stderr}");
+    assert_eq!(v["reconfigurations"][0]["failed"], serde_json::json!([1]), "{v:#}");
+}
+
 #[test]
 fn a_process_dying_in_the_middle_of_a_growths_move_still_ends_the_job() {
     // New process 3 of a growth 2 -> 4 aborts in its move: the survivors cannot all

@@ -208,7 +208,10 @@ impl JobState {
 
     /// The membership after processes failed (`--on-failure shrink`): the survivors in
     /// their order, the failed processes' addresses blank, and the nodes lost with
-    /// their agents (`lost_nodes`) out of the pool.
+    /// their agents (`lost_nodes`) out of the pool. The change names every failed
+    /// process, those that were no rank of this membership too (new in a change that
+    /// was abandoned): the survivors fence them all off, and a change whose failed
+    /// processes were all new is still a recovery, the ranks unchanged.
     #[must_use]
     pub fn after_failure(&self, failed: &[Rank], lost_nodes: &[NodeId]) -> (Change, Self) {
         let mut next = self.clone();
@@ -228,7 +231,7 @@ impl JobState {
             }
         }
         let (mut change, next) = next.advance(self);
-        change.failed = failed.iter().copied().filter(|f| self.ranks.contains(f)).collect();
+        change.failed = failed.to_vec();
         (change, next)
     }
 
@@ -341,6 +344,11 @@ mod tests {
         let (change, next) = next.after_failure(&[Rank(4), Rank(5)], &[NodeId(2)]);
         assert_eq!(change.after.ranks, [0, 1, 2].map(Rank));
         assert_eq!(next.join_order, vec![NodeId(0), NodeId(1)]);
+        // Processes that were no ranks (new in an abandoned change) are named all the
+        // same; the ranks stay.
+        let (change, same) = next.after_failure(&[Rank(7)], &[]);
+        assert_eq!((change.failed, change.before.clone()), (vec![Rank(7)], change.after.ranks));
+        assert_eq!(same.ranks, next.ranks);
         assert_eq!(next.slots, vec![2, 2, 0, 2]);
         // A growth to three nodes fills node 1 and takes node 3, never the lost node 2;
         // four are too many.

@@ -20,7 +20,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 
 /// Version of the handoff; a rank refuses a handoff of another version.
-pub const HANDOFF_VERSION: u32 = 9;
+pub const HANDOFF_VERSION: u32 = 10;
 /// The file descriptor the control channel is passed as.
 pub const CONTROL_FD: i32 = 3;
 /// Environment variable naming the control channel's descriptor.
@@ -224,6 +224,11 @@ pub enum FromRank {
         epoch: u64,
         /// Checkpoints so far.
         count: u64,
+        /// Whether its registered data is still that of `epoch`, whole: false once it
+        /// began to move the data of a change it has not completed (a change to a later
+        /// epoch, which the failure interrupted). A change interrupted before any
+        /// process moved its data can be abandoned, and the job recover at `epoch`.
+        intact: bool,
     },
     /// The rank finalized cleanly.
     Finalized,

@@ -85,6 +85,9 @@ pub struct Session {
     background_share: f64,
     /// A change whose constant items are moving in the background.
     moving: Option<Moving>,
+    /// The epoch of a change whose data this process began to move and that it has
+    /// not completed: its registered data is no longer that of its membership, whole.
+    moved_for: Option<u64>,
     /// Why a checkpoint failed, once one has: the process can only finalize.
     broken: Option<String>,
     /// The launcher this process started when, started alone, it grew (see `adopt`):
@@ -124,6 +127,22 @@ fn transition_context(epoch: u64) -> Context {
 /// moves): a failure notice of that epoch does not interrupt them (see `control`).
 fn change_contexts(epoch: u64) -> [Context; 2] {
     [transition_context(epoch), background_context(epoch)]
+}
+
+/// Testing knob, `MEMBER:EPOCH`: the transition member it names aborts in the change to
+/// EPOCH once the transition group is built, before the registry is agreed on and before
+/// any data moves, so that the tests can check that such a change is abandoned and the
+/// job recovers at the epoch before it.
+const DIE_IN_PREPARE_ENV: &str = "DUCTILE_TEST_DIE_IN_PREPARE";
+
+fn dies_in_prepare(member: usize, epoch: u64) -> bool {
+    static DIES: std::sync::OnceLock<Option<(usize, u64)>> = std::sync::OnceLock::new();
+    let parse = || {
+        let v = std::env::var(DIE_IN_PREPARE_ENV).ok()?;
+        let (m, e) = v.split_once(':')?;
+        Some((m.parse().ok()?, e.parse().ok()?))
+    };
+    *DIES.get_or_init(parse) == Some((member, epoch))
 }
 
 /// The context of a change's background moves: a transition context with the epoch's
@@ -433,6 +452,7 @@ impl Session {
             background: h.background,
             background_share: env.background_share,
             moving: None,
+            moved_for: None,
             broken: None,
             launcher: None,
         })
@@ -598,8 +618,11 @@ impl Session {
             (None, Some(r)) => Err(Error::Transport(ductile_transport::TransportError::PeerLost(r))),
             (None, None) => self.checkpoint_step(mode),
         };
+        // Once a failure is notified, the error of a change it interrupted (a dial to a
+        // process the launcher ended meanwhile that timed out, say) is the failure's too.
+        let told = |s: &Self| s.watcher.as_ref().is_some_and(|w| w.failure().is_some());
         match step {
-            Err(e) if self.recover && e.is_failure() => {
+            Err(e) if self.recover && (e.is_failure() || told(self)) => {
                 tracing::debug!("{}: checkpoint {}: {e}; recovering", self.endpoint.rank(), self.count);
                 self.recover().map_err(|e| self.broken_by(e))
             }
@@ -703,6 +726,7 @@ impl Session {
             self.timeout,
         )?
         .placed(placement([&self.membership, &c.after]));
+        self.moved_for = Some(epoch);
         let work = self.registry.start_background(g, prep.parts, &prep.new_pos, self.method, self.background_share);
         let m = Moving::spawn(rt, c, prep, work);
         let old = m.prep.tpos < m.prep.parts.old_n as usize;
@@ -740,6 +764,10 @@ impl Session {
             AsyncGroup::new(self.endpoint.clone(), transition_context(epoch), members.clone(), tpos, self.timeout)?
                 .placed(placement([&self.membership, &c.after]));
         let transition = Group::new(tg, self.handle()?, self.spin);
+        if dies_in_prepare(tpos, epoch) {
+            eprintln!("ductile: member {tpos} aborts as the change to epoch {epoch} connects ({DIE_IN_PREPARE_ENV})");
+            std::process::abort();
+        }
         if let Some(k) = self.agree_on_registry(&transition, joined)? {
             return Err(Error::Reconfigure(format!(
                 "the registered items of {} differ from rank 0's; the change to epoch {epoch} is abandoned",
@@ -787,6 +815,7 @@ impl Session {
             self.registry.refresh(manifest)?;
         }
         let t1 = Instant::now();
+        self.moved_for = Some(epoch);
         let registry = &mut self.registry;
         transition.block(registry.redistribute(
             transition.core_async(),
@@ -824,6 +853,7 @@ impl Session {
         self.world = Self::world_of(rt, self.spin, &self.endpoint, &c.after, self.timeout, &self.memberships)?;
         self.info.nodes = node_count(&c.after);
         self.membership = c.after;
+        self.moved_for = None;
         if resize.new_rank == Some(0) {
             if let Some(ctl) = self.control.as_mut() {
                 let times = SwitchTimes { connect_us: times[0], redistribute_us: times[1], background_us: times[2] };

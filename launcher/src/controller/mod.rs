@@ -262,8 +262,8 @@ pub(crate) struct Ctl {
     /// A recovery from failed processes, waiting for the survivors.
     recovering: Option<recovery::Recovering>,
     /// Survivors that said they were ready to recover before the controller learnt of
-    /// the failure (their transport saw the failed peer first): endpoint, epoch, count.
-    early_ready: Vec<(Rank, u64, u64)>,
+    /// the failure (their transport saw the failed peer first).
+    early_ready: Vec<recovery::Ready>,
     /// A process that left badly in a shrink (`--on-failure shrink`): how the job ends
     /// if a process that stays could not finish its switch without it, and the epoch
     /// that shrink switched to (see `recovery::Ctl::left_behind`).

@@ -19,7 +19,7 @@
 //! A checkpoint that arrives while a change is under way is answered when it is done.
 
 use super::{AgentConn, Ctl, Ending, FAILED_CHECKPOINT_GRACE};
-use crate::membership::GrowOrders;
+use crate::membership::{GrowOrders, JobState};
 use crate::plan::resize::{plan_resize, Resize, Target};
 use crate::plan::shrink::ShrinkPlan;
 use crate::plan::spawn::{plan_expansion, Method, SpawnPlan, Strategy};
@@ -101,6 +101,9 @@ pub struct InFlight {
     abandoned: bool,
     /// Why the growth failed before its switch, if it did: the job goes on without it.
     failure: Option<String>,
+    /// The membership before the change: the job's again if the change is abandoned
+    /// during its switch (see `recovery::Ctl::abandon_change`).
+    pub(super) prev: JobState,
     /// A new agent was lost before its switch. Its spawner's report says why more
     /// precisely (a rank that exited, say), so the growth fails on this only when every
     /// report is in.
@@ -116,6 +119,21 @@ impl InFlight {
     /// Whether the change has gone out to the processes and they are switching.
     pub(super) fn switching(&self) -> bool {
         matches!(self.phase, Phase::Switching)
+    }
+
+    /// Whether the change is a growth.
+    pub(super) fn is_growth(&self) -> bool {
+        self.grow.is_some()
+    }
+
+    /// Whether the change is a recovery from failures.
+    pub(super) fn is_recovery(&self) -> bool {
+        self.trigger == "failure"
+    }
+
+    /// The agents of the new node worlds of a growth.
+    pub(super) fn new_agents(&self) -> &[usize] {
+        &self.new_agents
     }
 
     /// Whether the change was asked for at a background checkpoint (its constant items
@@ -190,7 +208,10 @@ impl Ctl {
                 // Its rank 0 sent it before it learnt of the failure: it recovers instead.
                 tracing::debug!("checkpoint from {id} during a recovery ignored");
             }
-            FromRank::Recover { epoch, count } => self.on_recover(id, epoch, count).await,
+            FromRank::Recover { epoch, count, intact } => {
+                let ready = super::recovery::Ready { id, epoch, count, intact };
+                self.on_recover(ready).await;
+            }
             FromRank::Finalized => self.on_finalized(id),
             FromRank::Checkpoint { epoch, count, mode, want_procs } => {
                 if id != self.state.ranks[0] || epoch != self.state.epoch && self.flight.is_none() {
@@ -209,10 +230,16 @@ impl Ctl {
                 if self.failed.is_some() || self.ending.is_some() {
                     return;
                 }
-                if count == 0 && self.recovering.is_some() {
-                    // A process joining a change that a failure interrupted: it exits
-                    // next, and its exit is a failure the recovery takes in (or not).
-                    tracing::info!("{id} failed joining during a recovery: {reason}");
+                if self.agents[a].abandoned {
+                    // A process of a growth abandoned: its agent ends it.
+                    tracing::debug!("{id}, of a growth abandoned, failed joining: {reason}");
+                    return;
+                }
+                if count == 0 && (self.recovering.is_some() || self.spec.on_failure == super::OnFailure::Shrink) {
+                    // A process joining a change (a failure may have interrupted it, which
+                    // the controller may not have heard of yet): it exits next, and its
+                    // exit is a failure that a recovery takes in (or not).
+                    tracing::info!("{id} failed joining: {reason}; its exit is a failure (--on-failure shrink)");
                     return;
                 }
                 // The controller's ranks are already the new membership's; the process
@@ -244,7 +271,7 @@ impl Ctl {
 
     /// Decides what checkpoint `d` brings, and starts it.
     async fn decide(&mut self, d: Deferred) {
-        if self.early_ready.iter().any(|e| e.1 == self.state.epoch) {
+        if self.early_ready.iter().any(|e| e.epoch == self.state.epoch) {
             // A process saw a peer fail that the controller has not heard of yet: no
             // change starts now, which would keep the job from recovering.
             return self.answer(&d, Decision::Continue).await;
@@ -342,6 +369,7 @@ impl Ctl {
             abandoned: false,
             failure: None,
             lost: None,
+            prev: self.state.clone(),
         }
     }
 

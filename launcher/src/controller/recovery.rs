@@ -19,8 +19,14 @@
 //! If every survivor is, the change has switched (whether or not its switch report
 //! comes: its new rank 0 may be the process that failed), and the recovery follows it.
 //! A survivor that could not finish the switch (it waited on the failed process; it is
-//! told the process is gone after [`GONE_GRACE`]) is ready only at the old epoch, its
-//! data perhaps half moved, and the job ends.
+//! told the process is gone after [`GONE_GRACE`]) is ready only at the old epoch. If it
+//! had not begun to move its data (it says so: `intact`), no process can have finished
+//! the switch, since none finishes before every process has moved its data: the change
+//! is abandoned ([`Ctl::abandon_change`]), the job's membership is the old one again,
+//! and every survivor recovers from there, each told at once to stop waiting in the
+//! switch. This is the likelier case: a switch spends most of its time connecting to
+//! the new processes and agreeing on the registry, before any data moves. A survivor
+//! whose data was half moved ends the job.
 //!
 //! The job also ends when it cannot recover: no survivor left, a failure while a
 //! change's data moves in the background, a process that could not finish a shrink's
@@ -42,10 +48,27 @@ use std::time::{Duration, Instant};
 /// fails no receive that was to get it.
 const GONE_GRACE: Duration = Duration::from_secs(2);
 
+/// A survivor's word that it is ready to recover ([`ductile::bootstrap::FromRank::Recover`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Ready {
+    pub id: Rank,
+    /// Its epoch.
+    pub epoch: u64,
+    /// Its checkpoint count.
+    pub count: u64,
+    /// Whether its data is still its epoch's, whole.
+    pub intact: bool,
+}
+
 /// A recovery waiting for its survivors.
 pub struct Recovering {
-    /// The epoch the failures happened in.
+    /// The epoch the survivors recover from: the failures', or the one before it once
+    /// the change switching to it was abandoned.
     epoch: u64,
+    /// The change switching when the failures came was abandoned.
+    abandoned: bool,
+    /// Survivors that said they are ready at `epoch`.
+    ready: HashSet<Rank>,
     /// The failed processes, in the order they failed.
     failed: Vec<Rank>,
     /// Why, one entry per failure.
@@ -105,7 +128,8 @@ impl Ctl {
             self.left_badly = Some((ending, epoch));
         }
         self.announce_gone(ids, why);
-        let stale: Vec<(Rank, u64)> = self.early_ready.iter().filter(|e| e.1 < epoch).map(|e| (e.0, e.1)).collect();
+        let stale: Vec<(Rank, u64)> =
+            self.early_ready.iter().filter(|e| e.epoch < epoch).map(|e| (e.id, e.epoch)).collect();
         for (id, at) in stale {
             if self.left_behind(id, at).await && self.ending.is_some() {
                 return;
@@ -140,7 +164,7 @@ impl Ctl {
     /// hung the job.
     async fn left_behind(&mut self, id: Rank, epoch: u64) -> bool {
         let Some(to) = self.left_badly.as_ref().map(|l| l.1).filter(|&to| epoch < to) else { return false };
-        self.early_ready.retain(|e| e.0 != id);
+        self.early_ready.retain(|e| e.id != id);
         if self.is_releasing(id) {
             // Its end is ours, no failure: the others that wait on it are told as of
             // one that left badly.
@@ -178,9 +202,13 @@ impl Ctl {
         if !ids.iter().any(|r| self.state.ranks.contains(r)) {
             return Some("the processes were not in the job's group".into());
         }
-        let stale = self.early_ready.iter().find(|e| e.1 < self.state.epoch);
-        if let Some(&(id, epoch, _)) = stale {
-            return Some(format!("{} was still at epoch {epoch} (the job is at {})", self.who(id), self.state.epoch));
+        // A survivor ready at the epoch before a switching change's, its data intact, is
+        // what an abandoned change recovers with.
+        let abandons = |e: &&Ready| e.intact && e.epoch + 1 == self.state.epoch && self.may_abandon();
+        let stale = self.early_ready.iter().find(|e| e.epoch < self.state.epoch && !abandons(e));
+        if let Some(e) = stale {
+            let (who, epoch) = (self.who(e.id), e.epoch);
+            return Some(format!("{who} was still at epoch {epoch} (the job is at {})", self.state.epoch));
         }
         let failed = self.recovering.as_ref().map_or(&[][..], |r| &r.failed[..]);
         if self.survivors(failed, ids).is_empty() {
@@ -219,6 +247,8 @@ impl Ctl {
             let waiting = self.survivors(&members, &[]).into_iter().collect();
             self.recovering = Some(Recovering {
                 epoch: self.state.epoch,
+                abandoned: false,
+                ready: HashSet::new(),
                 failed: Vec::new(),
                 why: Vec::new(),
                 first: ending,
@@ -230,12 +260,14 @@ impl Ctl {
             });
         }
         let Some(r) = self.recovering.as_mut() else { return };
-        // Survivors whose transports saw the failure before this controller did.
-        for &(id, _, count) in self.early_ready.iter().filter(|e| e.1 == r.epoch) {
-            r.waiting.remove(&id);
-            r.count = r.count.max(count);
+        // Survivors whose transports saw the failure before this controller did (those
+        // ready at the epoch before, if any, are taken once the failure is known).
+        let early = std::mem::take(&mut self.early_ready);
+        for e in early.iter().filter(|e| e.epoch == r.epoch) {
+            r.waiting.remove(&e.id);
+            r.ready.insert(e.id);
+            r.count = r.count.max(e.count);
         }
-        self.early_ready.clear();
         for m in &members {
             if !r.failed.contains(m) {
                 r.failed.push(*m);
@@ -276,15 +308,37 @@ impl Ctl {
             // abandoned, and the recovery follows once its node worlds are ended.
             self.fail_growth(format!("{why_first} meanwhile")).await;
         }
+        // Those ready at the epoch before: the first abandons the change switching, if
+        // it may be, and the others then count as the rest will.
+        for e in early.into_iter().filter(|e| e.epoch + 1 == epoch) {
+            if self.recovering.is_some() {
+                Box::pin(self.on_recover(e)).await;
+            }
+        }
         self.recovered_all().await;
     }
 
-    /// Survivor `id` is ready to recover from the failures of `epoch`, at its
-    /// checkpoint `count`.
-    pub(super) async fn on_recover(&mut self, id: Rank, epoch: u64, count: u64) {
+    /// A survivor is ready to recover (`e`: at its epoch and checkpoint count).
+    pub(super) async fn on_recover(&mut self, e: Ready) {
+        let Ready { id, epoch, count, intact } = e;
+        let behind = self.recovering.as_ref().is_some_and(|r| epoch + 1 == r.epoch && r.ready.is_empty());
+        if behind && intact && self.may_abandon() {
+            // It never began to move its data: nobody can have finished the switch.
+            self.abandon_change(id).await;
+        }
         match self.recovering.as_mut() {
+            Some(r) if r.epoch == epoch && r.abandoned && !intact => {
+                let why = format!(
+                    "{} had begun to move its data in the switch to epoch {} (the others had not)",
+                    self.who(id),
+                    epoch + 1
+                );
+                crate::say_errln!("ductile: the job cannot recover: {why}");
+                self.give_up(Ending::Reconfig(why));
+            }
             Some(r) if r.epoch == epoch => {
                 r.waiting.remove(&id);
+                r.ready.insert(id);
                 r.count = r.count.max(count);
                 self.recovered_all().await;
             }
@@ -308,8 +362,81 @@ impl Ctl {
                 // the recovery to come (a false alarm leaves it waiting, within its
                 // timeout; meanwhile no change starts).
                 tracing::debug!("{id} is ready to recover at epoch {epoch} before a failure is known there");
-                self.early_ready.retain(|e| e.0 != id);
-                self.early_ready.push((id, epoch, count));
+                self.early_ready.retain(|x| x.id != id);
+                self.early_ready.push(e);
+            }
+        }
+    }
+
+    /// Whether the change under way may be abandoned for a recovery at the epoch before
+    /// it: one switching in the foreground that is not itself a recovery.
+    fn may_abandon(&self) -> bool {
+        self.flight.as_ref().is_some_and(|f| f.switching() && !f.in_background() && !f.is_recovery())
+    }
+
+    /// Abandons the change switching, which survivor `first` could not finish before it
+    /// began to move its data: the job's membership is the one before it again (under
+    /// the change's epoch and number, which are taken: the recovery gets the next, so
+    /// none of the change's messages meets it), its new node worlds end (their
+    /// processes' exits are no failures), and every survivor recovers from the old
+    /// epoch. Those still in the switch are told at once (a failure notice of the old
+    /// epoch interrupts the switch's waits): none can finish it now.
+    async fn abandon_change(&mut self, first: Rank) {
+        let Some(f) = self.flight.take() else { return };
+        let seq = f.seq();
+        for &a in f.new_agents() {
+            self.agents[a].abandoned = true;
+            if self.agents[a].tx.is_none() {
+                self.agents[a].done = true;
+            }
+        }
+        for &a in f.new_agents() {
+            if !self.agents[a].done {
+                self.send(a, &ToAgent::Abort).await;
+            }
+        }
+        let burned = std::mem::replace(&mut self.state, f.prev.clone());
+        self.state.epoch = burned.epoch;
+        self.state.changes = burned.changes;
+        if burned.addrs.len() > self.state.addrs.len() {
+            // The new processes' ids stay taken, blank: they left the job.
+            self.state.addrs.resize(burned.addrs.len(), ductile_transport::EndpointAddr(String::new()));
+        }
+        let old_epoch = f.prev.epoch;
+        let first = self.who(first);
+        let Some(r) = self.recovering.as_mut() else { return };
+        let why = r.why.join("; ");
+        let what = format!(
+            "resize {seq} was abandoned in its switch to epoch {}: {why}, and {first} had not moved any data yet",
+            burned.epoch
+        );
+        crate::say_errln!("ductile: {what}; the job recovers as it was before it (epoch {old_epoch})");
+        if f.is_growth() {
+            self.failed_growths.push(format!("resize {seq}: failed during its switch: {why}"));
+        }
+        f.fail(&format!("{what}; the job goes on as it was, without the failed processes"));
+        r.epoch = old_epoch;
+        r.abandoned = true;
+        let failed = r.failed.clone();
+        let survivors = self.survivors(&failed, &[]);
+        if let Some(r) = self.recovering.as_mut() {
+            r.waiting = survivors.iter().copied().collect();
+            r.ready.clear();
+        }
+        // Its rank 0's next checkpoint is moot: it recovers instead.
+        self.deferred = None;
+        // The new processes are ended: whatever waits on them, a dial over quic among
+        // others, fails as on a process that is gone.
+        let new: Vec<Rank> = burned.ranks.iter().copied().filter(|x| !self.state.ranks.contains(x)).collect();
+        let gone =
+            ToRank::Gone(Failure { epoch: old_epoch, failed: new.clone(), why: format!("resize {seq} was abandoned") });
+        let notice = ToRank::Failure(Failure { epoch: old_epoch, failed, why });
+        for s in survivors {
+            if let Some(&a) = self.host.get(&s) {
+                if !new.is_empty() {
+                    self.send(a, &ToAgent::ToRank(s, gone.clone())).await;
+                }
+                self.send(a, &ToAgent::ToRank(s, notice.clone())).await;
             }
         }
     }

@@ -13,6 +13,13 @@
 //! ([`Recovery::lost`]) so that the application can rebuild it (from its own
 //! checkpoint, or by starting that part of the computation again). Replicated items
 //! come from the first survivor, so nothing of them is lost.
+//!
+//! A process interrupted in a change says whether it had begun to move its data
+//! (`intact` in [`FromRank::Recover`]). If no survivor had, the controller abandons the
+//! change and the recovery starts from the membership before it, to the epoch after
+//! the abandoned change's: queued messages of that change are dropped, and its
+//! contexts are never used again. Its failed processes may then all be new ones,
+//! named in the recovery but no old rank: nothing is lost.
 
 use super::{background_context, control_err, micros, node_count, placement, transition_context};
 use super::{Checkpoint, Resize, Session};
@@ -51,10 +58,11 @@ impl Session {
             ));
         }
         let (epoch, count, timeout) = (self.membership.epoch, self.count, self.timeout);
+        let intact = self.moved_for.is_none();
         let (Some(c), Some(w)) = (self.control.as_mut(), self.watcher.as_ref()) else {
             return Err(Error::Reconfigure("a process failed; only a launched job can recover".into()));
         };
-        bootstrap::write_msg(c, &FromRank::Recover { epoch, count }).map_err(control_err)?;
+        bootstrap::write_msg(c, &FromRank::Recover { epoch, count, intact }).map_err(control_err)?;
         let deadline = Instant::now() + timeout;
         let change = loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -70,9 +78,12 @@ impl Session {
         };
         let why = w.failure().map(|f| f.why).unwrap_or_default();
         w.recovered();
-        // What the interrupted operations of this epoch left queued is for no one now.
+        // What the interrupted operations of this epoch left queued is for no one now,
+        // nor what a change abandoned meanwhile left (the recovery then skips its epoch).
         let world = super::world_context(epoch);
-        self.endpoint.mailbox().resume(&|c| c == world);
+        let abandoned = epoch + 1..change.after.epoch;
+        let stale = |c| c == world || abandoned.clone().any(|e| super::change_contexts(e).contains(&c));
+        self.endpoint.mailbox().resume(&stale);
         self.pending = false;
         self.apply_recovery(change, why)
     }
@@ -125,6 +136,7 @@ impl Session {
         let failed: Vec<u32> = (0..c.before.len() as u32).filter(|&o| new_pos[o as usize].is_none()).collect();
         let parts = Parts { old_n: c.before.len() as u32, new_n: survivors.len() as u32 };
         let t1 = Instant::now();
+        self.moved_for = Some(epoch);
         let registry = &mut self.registry;
         let lost = transition.block(registry.recover(transition.core_async(), parts, &new_pos, &failed))?;
         let redistribute = t1.elapsed();
@@ -146,6 +158,7 @@ impl Session {
         self.world = Self::world_of(rt, self.spin, &self.endpoint, &c.after, self.timeout, &self.memberships)?;
         self.info.nodes = node_count(&c.after);
         self.membership = c.after;
+        self.moved_for = None;
         if new_rank == 0 {
             if let Some(ctl) = self.control.as_mut() {
                 let times = SwitchTimes { connect_us: times[0], redistribute_us: times[1], background_us: 0 };
