@@ -134,15 +134,24 @@ fn change_contexts(epoch: u64) -> [Context; 2] {
 /// any data moves, so that the tests can check that such a change is abandoned and the
 /// job recovers at the epoch before it.
 const DIE_IN_PREPARE_ENV: &str = "DUCTILE_TEST_DIE_IN_PREPARE";
+/// Testing knob, `MEMBER:EPOCH`: the transition member it names aborts in the change to
+/// EPOCH once its data has moved, before the change's last collective, so that the tests
+/// can check that the others, whose moves finished too, take the new group and recover
+/// in it.
+const DIE_AFTER_MOVE_ENV: &str = "DUCTILE_TEST_DIE_AFTER_MOVE";
 
-fn dies_in_prepare(member: usize, epoch: u64) -> bool {
-    static DIES: std::sync::OnceLock<Option<(usize, u64)>> = std::sync::OnceLock::new();
+/// Aborts this process if testing knob `env` names transition member `member` and
+/// `epoch` (`MEMBER:EPOCH`), saying so with `when`.
+fn dies_here(env: &'static str, member: usize, epoch: u64, when: &str) {
     let parse = || {
-        let v = std::env::var(DIE_IN_PREPARE_ENV).ok()?;
+        let v = std::env::var(env).ok()?;
         let (m, e) = v.split_once(':')?;
-        Some((m.parse().ok()?, e.parse().ok()?))
+        Some((m.parse::<usize>().ok()?, e.parse::<u64>().ok()?))
     };
-    *DIES.get_or_init(parse) == Some((member, epoch))
+    if parse() == Some((member, epoch)) {
+        eprintln!("ductile: member {member} aborts {} ({env})", when.replace("{epoch}", &epoch.to_string()));
+        std::process::abort();
+    }
 }
 
 /// The context of a change's background moves: a transition context with the epoch's
@@ -764,10 +773,7 @@ impl Session {
             AsyncGroup::new(self.endpoint.clone(), transition_context(epoch), members.clone(), tpos, self.timeout)?
                 .placed(placement([&self.membership, &c.after]));
         let transition = Group::new(tg, self.handle()?, self.spin);
-        if dies_in_prepare(tpos, epoch) {
-            eprintln!("ductile: member {tpos} aborts as the change to epoch {epoch} connects ({DIE_IN_PREPARE_ENV})");
-            std::process::abort();
-        }
+        dies_here(DIE_IN_PREPARE_ENV, tpos, epoch, "as the change to epoch {epoch} connects");
         if let Some(k) = self.agree_on_registry(&transition, joined)? {
             return Err(Error::Reconfigure(format!(
                 "the registered items of {} differ from rank 0's; the change to epoch {epoch} is abandoned",
@@ -826,7 +832,21 @@ impl Session {
         ))?;
         let redistribute = t1.elapsed();
         let background = overlap.map_or(0, |(from, to)| micros(to.saturating_duration_since(from)));
-        let times = transition.allreduce(&[micros(connect), micros(redistribute), background], ReduceOp::Max)?;
+        dies_here(DIE_AFTER_MOVE_ENV, tpos, epoch, "after its move to epoch {epoch}");
+        let times = match transition.allreduce(&[micros(connect), micros(redistribute), background], ReduceOp::Max) {
+            Ok(times) => times,
+            Err(e) if self.recover && e.is_failure() => {
+                // This process's move is done, so its part of the new layout is whole: it
+                // takes the new group (or leaves) all the same, and recovers in it at its
+                // next checkpoint, which the failure notice makes it reach. Every
+                // survivor whose move finished does so; one whose move did not is ready
+                // to recover only at the old epoch, its data half moved, and the job
+                // ends (before, it ended whenever a process failed after its move).
+                tracing::debug!("{me}: the change to epoch {epoch} lost a process after its move ({e}); taking it");
+                vec![0; 3]
+            }
+            Err(e) => return Err(e),
+        };
         let old_size = c.before.len();
         let resize = Resize {
             seq: c.seq,

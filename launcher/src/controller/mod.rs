@@ -206,6 +206,11 @@ enum Event {
         ids: Vec<Rank>,
         why: String,
     },
+    /// The recovery from failures at `epoch` began a grace ago: the survivors not yet
+    /// ready stop waiting in a switch to that epoch (see `recovery::Ctl::unstick`).
+    Unstick {
+        epoch: u64,
+    },
 }
 
 /// Why the job ended early.
@@ -804,6 +809,7 @@ impl Ctl {
                 let _ = reply.send(self.status());
             }
             Event::Gone { seq, ids, why } => self.tell_gone(seq, ids, why).await,
+            Event::Unstick { epoch } => self.unstick(epoch).await,
         }
     }
 

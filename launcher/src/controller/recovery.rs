@@ -244,6 +244,12 @@ impl Ctl {
     async fn recover_from(&mut self, ids: &[Rank], why: String, lost: Option<NodeId>, ending: Ending) {
         let members: Vec<Rank> = ids.iter().copied().filter(|r| self.state.ranks.contains(r)).collect();
         if self.recovering.is_none() {
+            let events = self.events.clone();
+            let epoch = self.state.epoch;
+            tokio::spawn(async move {
+                tokio::time::sleep(GONE_GRACE).await;
+                let _ = events.send(super::Event::Unstick { epoch });
+            });
             let waiting = self.survivors(&members, &[]).into_iter().collect();
             self.recovering = Some(Recovering {
                 epoch: self.state.epoch,
@@ -364,6 +370,30 @@ impl Ctl {
                 tracing::debug!("{id} is ready to recover at epoch {epoch} before a failure is known there");
                 self.early_ready.retain(|x| x.id != id);
                 self.early_ready.push(e);
+            }
+        }
+    }
+
+    /// [`GONE_GRACE`] after the failures of `epoch`, the survivors still not ready to
+    /// recover from them are told again, as of the epoch before: that notice interrupts
+    /// the receives of a switch to `epoch` too, which the first one spared. A survivor
+    /// still there may wait on one that has taken the new group since (the change's last
+    /// collective lost a process, and each process whose move was done took the new
+    /// group: see `Session::complete_change`), or on one stuck in turn; interrupted, each
+    /// takes the new group if its move is done, and is ready at the epoch before if not.
+    pub(super) async fn unstick(&mut self, epoch: u64) {
+        let Some(r) = self.recovering.as_ref().filter(|r| r.epoch == epoch && !r.waiting.is_empty()) else {
+            return;
+        };
+        let (failed, why) = (r.failed.clone(), r.why.join("; "));
+        let stuck: Vec<Rank> = r.waiting.iter().copied().collect();
+        tracing::info!(
+            "survivors {stuck:?} are not ready to recover yet: their waits in a switch to epoch {epoch} end"
+        );
+        let notice = ToRank::Failure(Failure { epoch: epoch.saturating_sub(1), failed, why });
+        for s in stuck {
+            if let Some(&a) = self.host.get(&s) {
+                self.send(a, &ToAgent::ToRank(s, notice.clone())).await;
             }
         }
     }

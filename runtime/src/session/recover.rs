@@ -140,7 +140,16 @@ impl Session {
         let registry = &mut self.registry;
         let lost = transition.block(registry.recover(transition.core_async(), parts, &new_pos, &failed))?;
         let redistribute = t1.elapsed();
-        let times = alive.allreduce(&[micros(connect), micros(redistribute)], ReduceOp::Max)?;
+        let times = match alive.allreduce(&[micros(connect), micros(redistribute)], ReduceOp::Max) {
+            Ok(times) => times,
+            // Its data is whole in the new layout: it takes the new group, and recovers
+            // from the new failure at its next checkpoint (as in `complete_change`).
+            Err(e) if e.is_failure() => {
+                tracing::debug!("{me}: the recovery to epoch {epoch} lost a process after its move ({e}); taking it");
+                vec![0; 2]
+            }
+            Err(e) => return Err(e),
+        };
         let resize = Resize {
             seq: c.seq,
             epoch,
