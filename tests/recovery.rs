@@ -24,6 +24,17 @@ fn recover(opts: &[&str], args: &[&str], name: &str) -> (String, String, serde_j
     (stdout.into_owned(), stderr.into_owned(), read_report(&report))
 }
 
+/// Checks that the job's reconfigurations were a growth of its policy, then a recovery.
+fn assert_grown_then_recovered(v: &serde_json::Value) {
+    let rcs: Vec<_> = v["reconfigurations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["kind"].as_str().unwrap().to_owned(), r["trigger"].as_str().unwrap().to_owned()))
+        .collect();
+    assert_eq!(rcs, [("grow".into(), "policy".into()), ("shrink".into(), "failure".into())], "{v:#}");
+}
+
 /// The job's one reconfiguration, checked to be a shrink on a failure.
 fn failure_shrink(report: &serde_json::Value) -> &serde_json::Value {
     let rcs = report["reconfigurations"].as_array().unwrap();
@@ -245,13 +256,7 @@ fn failure_as_a_growth_switches(fail_at: &str, name: &str) -> (String, String, S
     assert!(out.status.success(), "{argv:?}: {:?}\n{stdout}\n{stderr}", out.status);
     assert_no_survivors(&report);
     let v = read_report(&report);
-    let rcs: Vec<_> = v["reconfigurations"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| (r["kind"].as_str().unwrap().to_owned(), r["trigger"].as_str().unwrap().to_owned()))
-        .collect();
-    assert_eq!(rcs, [("grow".into(), "policy".into()), ("shrink".into(), "failure".into())], "{v:#}");
+    assert_grown_then_recovered(&v);
     assert_eq!(v["reconfigurations"][1]["failed"], serde_json::json!([fail_at[..1].parse::<u64>().unwrap()]));
     assert!(stdout.contains("processes 3 "), "{stdout}");
     let line = stdout.lines().find(|l| l.contains("checksum")).unwrap_or_else(|| panic!("{stdout}"));
@@ -379,18 +384,17 @@ fn a_failure_after_every_move_finished_is_recovered_from_in_the_new_group() {
     // and the job ended.
     let rigid = rigid_checksum();
     let after = "DUCTILE_TEST_DIE_AFTER_MOVE";
+    // (An old process dying so over quic may take with it data it had handed to its
+    // transport but not yet sent, which a new process's move then misses: that process
+    // fails too, and the job goes on with one process fewer. Over tcp what it wrote is
+    // the kernel's, and it arrived in every run here.)
+    let quic = ["--transport", "quic"];
     for (member, transport, name) in
-        [(3, &[][..], "after-move-new-tcp"), (1, &["--transport", "quic"][..], "after-move-old-quic")]
+        [(3, &[][..], "after-move-new-tcp"), (3, &quic[..], "after-move-new-quic"), (1, &[][..], "after-move-old-tcp")]
     {
         let (sum, procs, stderr, v) = dies_in_a_switch(after, member, transport, false, name);
         assert_eq!((sum.as_str(), procs.as_str()), (rigid.as_str(), "3"), "{transport:?}: {stderr}");
-        let rcs: Vec<_> = v["reconfigurations"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| (r["kind"].as_str().unwrap().to_owned(), r["trigger"].as_str().unwrap().to_owned()))
-            .collect();
-        assert_eq!(rcs, [("grow".into(), "policy".into()), ("shrink".into(), "failure".into())], "{v:#}");
+        assert_grown_then_recovered(&v);
         assert_eq!(v["reconfigurations"][1]["failed"], serde_json::json!([member]), "{v:#}");
     }
 }

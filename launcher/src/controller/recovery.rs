@@ -13,11 +13,15 @@
 //! with its agent leaves the pool: no growth goes there again.
 //!
 //! A failure while a change switches is recovered from at the change's epoch: a
-//! survivor commits to the new membership only once the change's last collective has
-//! returned, which it does on no process before every process has moved its data. So a
+//! survivor commits to the new membership once its own move is done (normally when the
+//! change's last collective returns, which it does on no process before every process
+//! has moved its data; also when that collective lost the failed process). So a
 //! survivor ready to recover at the new epoch holds its part of the new layout whole.
 //! If every survivor is, the change has switched (whether or not its switch report
 //! comes: its new rank 0 may be the process that failed), and the recovery follows it.
+//! Survivors not ready [`GONE_GRACE`] after a failure are told again, as of the epoch
+//! before ([`Ctl::unstick`]): that ends their waits in the switch (one may wait in the
+//! last collective on a process that has taken the new group meanwhile).
 //! A survivor that could not finish the switch (it waited on the failed process; it is
 //! told the process is gone after [`GONE_GRACE`]) is ready only at the old epoch. If it
 //! had not begun to move its data (it says so: `intact`), no process can have finished
