@@ -20,7 +20,10 @@
 //! one-sided reads of [`crate::window`]: 3 get request (payload: window, offset,
 //! length), 4 get reply (payload: the bytes), 5 get refusal (payload: the reason).
 //! The three get kinds carry the request id in the context (high half) and tag (low
-//! half) fields.
+//! half) fields. Backends whose one-sided reads have streams of their own (quic) also
+//! confirm delivery with them: 6 flush (a count of data frames sent) and 7 flushed (the
+//! receiver has read that many), both with the count where a get has its id and no
+//! payload.
 
 use crate::error::FrameError;
 use crate::ids::{Context, Rank, Tag};
@@ -45,6 +48,10 @@ pub enum FrameKind {
     GetReply,
     /// A get refused by the window's owner.
     GetRefusal,
+    /// Asks whether the receiver has read a count of data frames.
+    Flush,
+    /// It has.
+    Flushed,
 }
 
 impl FrameKind {
@@ -55,6 +62,8 @@ impl FrameKind {
             Self::GetRequest => 3,
             Self::GetReply => 4,
             Self::GetRefusal => 5,
+            Self::Flush => 6,
+            Self::Flushed => 7,
         }
     }
 
@@ -65,6 +74,8 @@ impl FrameKind {
             3 => Ok(Self::GetRequest),
             4 => Ok(Self::GetReply),
             5 => Ok(Self::GetRefusal),
+            6 => Ok(Self::Flush),
+            7 => Ok(Self::Flushed),
             other => Err(FrameError::UnknownKind(other)),
         }
     }
@@ -171,6 +182,9 @@ impl FrameHeader {
         if kind == FrameKind::GetRefusal && len != crate::window::REFUSAL_LEN as u64 {
             return Err(FrameError::Malformed("get refusal of the wrong length"));
         }
+        if matches!(kind, FrameKind::Flush | FrameKind::Flushed) && len != 0 {
+            return Err(FrameError::Malformed("flush frame with a payload"));
+        }
         Ok(Self { kind, src, ctx, tag, len })
     }
 }
@@ -195,6 +209,12 @@ mod tests {
         assert_eq!(g.request_id(), 0x1234_5678_9abc_def0);
         let bad = FrameHeader::get(FrameKind::GetRequest, Rank(3), 1, 7);
         assert!(matches!(FrameHeader::decode(&bad.encode(), limits(3)), Err(FrameError::Malformed(_))));
+        for kind in [FrameKind::Flush, FrameKind::Flushed] {
+            let f = FrameHeader::get(kind, Rank(3), 1 << 40, 0);
+            assert_eq!(FrameHeader::decode(&f.encode(), limits(3)), Ok(f));
+            let bad = FrameHeader::get(kind, Rank(3), 1, 8);
+            assert!(matches!(FrameHeader::decode(&bad.encode(), limits(3)), Err(FrameError::Malformed(_))));
+        }
     }
 
     #[test]

@@ -115,6 +115,17 @@ pub trait Transport: Send + Sync + 'static {
     }
     /// Says goodbye to every connected peer and stops serving connections.
     fn close(&self) -> BoxFuture<'_, ()>;
+    /// Completes once every message sent before the call has left this process for
+    /// good, to each peer that is still there: written to the kernel (tcp), read by
+    /// the peer (quic), read by the peer out of this process's memory (fabric's
+    /// rendezvous payloads). A send's own completion says less, that the caller is done
+    /// with the payload: its bytes may still be in this process, and go with it if it
+    /// dies. A process that must not take undelivered data with it (one that has
+    /// finished moving its part of a redistribution) flushes. Peers that ended are not
+    /// waited for. The default suits a backend that keeps nothing back.
+    fn flush(&self) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(async { Ok(()) })
+    }
     /// Makes progress on the calling thread without blocking: delivers whatever has
     /// arrived, and says whether any data came in. Waiting application threads call it
     /// while they spin; backends whose progress needs no help keep this default.
@@ -329,6 +340,18 @@ impl Endpoint {
             return Ok(());
         }
         self.transport.send(dst, ctx, tag, payload).await
+    }
+
+    /// Waits, within `timeout`, until every message sent so far has left this process;
+    /// see [`Transport::flush`].
+    ///
+    /// # Errors
+    /// A timeout, or the backend's error.
+    pub async fn flush(&self, timeout: Duration) -> Result<(), TransportError> {
+        match tokio::time::timeout(timeout, self.transport.flush()).await {
+            Ok(r) => r,
+            Err(_) => Err(TransportError::Timeout { what: "its sends to leave this process".into(), after: timeout }),
+        }
     }
 
     /// Sends a message to a peer within this call if the backend takes it at once (see

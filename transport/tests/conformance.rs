@@ -268,6 +268,33 @@ async fn a_dead_peer_is_an_error_not_a_hang(b: Backend) {
     close_all(&eps).await;
 }
 
+async fn flushed_messages_outlive_their_sender(b: Backend) {
+    // A sender flushes, then dies (dropped without a goodbye) before its peers read a
+    // byte: everything it sent still arrives. A send alone completes once the backend
+    // has the bytes, which may still be in the sender's process (tcp's queue, quinn's
+    // buffers, fabric's rendezvous payloads).
+    let mut eps = b.job(3, 1);
+    let sizes = [8usize, 100_000, 4 << 20, 16 << 20, 16 << 20];
+    for r in 1..3u32 {
+        for (k, &n) in sizes.iter().enumerate() {
+            eps[0].send(Rank(r), Context(0), Tag(k as u32), body(n, 10 * r + k as u32)).await.unwrap();
+        }
+    }
+    eps[0].flush(T).await.unwrap();
+    drop(eps.remove(0));
+    for r in 1..3u32 {
+        for (k, &n) in sizes.iter().enumerate() {
+            let e = eps[r as usize - 1].recv(from(0, k as u32), T).await.unwrap();
+            check(&e.payload, n, 10 * r + k as u32);
+        }
+    }
+    // Nothing sent since: a flush has nothing to wait for.
+    let started = std::time::Instant::now();
+    eps[0].flush(T).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+    close_all(&eps).await;
+}
+
 async fn gets_read_exact_ranges_of_exposed_windows(b: Backend) {
     let eps = b.job(3, 1);
     assert!(eps[0].transport().capabilities().one_sided);
@@ -442,6 +469,7 @@ macro_rules! conformance {
             case!(a_wrong_key_delivers_nothing);
             case!(goodbye_fails_waiting_receives_at_once);
             case!(a_dead_peer_is_an_error_not_a_hang);
+            case!(flushed_messages_outlive_their_sender);
             case!(gets_read_exact_ranges_of_exposed_windows);
             case!(gets_land_in_place);
             case!(receives_land_in_place);

@@ -464,6 +464,10 @@ impl Transport for FabricTransport {
         Box::pin(self.inner.close())
     }
 
+    fn flush(&self) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(self.inner.flush())
+    }
+
     fn progress(&self) -> bool {
         if self.inner.shutdown.load(Ordering::Acquire) {
             return false;

@@ -388,6 +388,23 @@ impl Inner {
         }
     }
 
+    /// See [`crate::Transport::flush`]: waits until no payload of ours is left for a
+    /// peer to read (rendezvous payloads, bulk payloads' chunks). A send of a message
+    /// otherwise completes when the provider has completed it. Payloads for peers known
+    /// to have ended are not waited for. Progress is the progress thread's, or the
+    /// polling caller's.
+    pub(super) async fn flush(&self) -> Result<(), TransportError> {
+        loop {
+            if self.closed.load(Ordering::Acquire) {
+                return Err(TransportError::Closed);
+            }
+            if !lock(&self.outgoing).values().any(|o| !self.mailbox.has_ended(o.peer)) {
+                return Ok(());
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }
+
     /// Says goodbye to every peer we have a stream to, waits (bounded) for the goodbyes
     /// to leave and for peers to finish reading our rendezvous payloads, then stops.
     pub(super) async fn close(&self) {
@@ -421,8 +438,12 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Endpoints kept open until the process exits, with their posted buffers; see `Drop`.
-static KEPT_OPEN: Mutex<Vec<(Arc<Ep>, Ops)>> = Mutex::new(Vec::new());
+/// Endpoints kept open until the process exits, with their posted buffers and the
+/// payloads peers may still read; see `Drop`.
+static KEPT_OPEN: Mutex<Vec<KeptOpen>> = Mutex::new(Vec::new());
+
+/// An endpoint kept open, what it may write into, and what peers may read of it.
+type KeptOpen = (Arc<Ep>, Ops, HashMap<u64, Outgoing>);
 
 impl Drop for Inner {
     fn drop(&mut self) {
@@ -432,14 +453,17 @@ impl Drop for Inner {
         self.ops.drop_registrations();
         self.transfers.drop_registrations(&self.registrar);
         lock(&self.leases).clear();
-        lock(&self.outgoing).clear();
+        let outgoing = std::mem::take(&mut *lock(&self.outgoing));
         if self.attrs.provider == "shm" {
             // libfabric 1.17's shm reaches a peer endpoint of the same process through
             // that endpoint's own mapping of its region, which closing it unmaps: a
             // send from a surviving endpoint of this process would then fault. So an
             // shm endpoint stays open (idle) until the process exits; its region's name
             // is removed now (the mappings stay valid), as closing would have done.
-            lock(&KEPT_OPEN).push((self.ep.clone(), std::mem::take(&mut self.ops)));
+            // Its rendezvous payloads stay too: a peer of this process reading one
+            // would otherwise copy freed memory (a peer process reading a dead
+            // process's memory gets an error).
+            lock(&KEPT_OPEN).push((self.ep.clone(), std::mem::take(&mut self.ops), outgoing));
             if let Some(file) = shm_region_file(&self.name) {
                 let _ = std::fs::remove_file(file);
             }

@@ -13,6 +13,7 @@ use crate::window::{self, GetRequest, REQUEST_LEN};
 use bytes::Bytes;
 use quinn::{Connection, Incoming, RecvStream, SendStream};
 use std::sync::Arc;
+use tokio::sync::watch;
 use tokio::time::timeout;
 
 /// Accepts connections until the endpoint closes, each served by its own task.
@@ -39,9 +40,11 @@ async fn serve_connection(inner: Arc<Inner>, incoming: Incoming) {
     };
     tracing::debug!("{me}: {peer} connected from {from}");
     inner.mailbox.peer_connected(peer);
-    let gets = tokio::spawn(serve_gets(inner.clone(), conn.clone(), peer));
+    // How many data frames the message stream has delivered, which flushes wait for.
+    let (read, reads) = watch::channel(0u64);
+    let gets = tokio::spawn(serve_gets(inner.clone(), conn.clone(), peer, reads));
     inner.track(gets.abort_handle());
-    let how = match read_messages(&inner, peer, recv).await {
+    let how = match read_messages(&inner, peer, recv, &read).await {
         Ok(()) | Err(TransportError::PeerClosed(_)) => PeerEnd::Closed,
         Err(_) if inner.is_closed() => return,
         Err(e) => {
@@ -107,8 +110,14 @@ async fn authenticate(inner: &Inner, incoming: Incoming) -> Result<(Connection, 
 /// Payloads above this many bytes may be read into a receive's memory in place.
 const LARGE: u64 = 64 * 1024;
 
-/// Delivers the frames of an authenticated message stream; `Ok` on a goodbye.
-async fn read_messages(inner: &Inner, peer: Rank, mut recv: RecvStream) -> Result<(), TransportError> {
+/// Delivers the frames of an authenticated message stream, counting data frames in
+/// `read`; `Ok` on a goodbye.
+async fn read_messages(
+    inner: &Inner,
+    peer: Rank,
+    mut recv: RecvStream,
+    read: &watch::Sender<u64>,
+) -> Result<(), TransportError> {
     let limits = FrameLimits { max_payload: inner.cfg.get_max_payload(), peer };
     loop {
         let h = wire::read_header(&mut recv, limits).await?;
@@ -136,27 +145,53 @@ async fn read_messages(inner: &Inner, peer: Rank, mut recv: RecvStream) -> Resul
                 let source = FrameError::Malformed("a get frame on the message stream");
                 return Err(TransportError::Frame { peer, source });
             }
+            FrameKind::Flush | FrameKind::Flushed => {
+                let source = FrameError::Malformed("a flush frame on the message stream");
+                return Err(TransportError::Frame { peer, source });
+            }
         }
+        // A data frame, delivered: a flush waiting for it may answer.
+        read.send_modify(|n| *n += 1);
     }
 }
 
-/// Accepts the peer's get streams, each served by its own task on tokio (never on the
-/// application thread that owns the window), until the connection ends.
-async fn serve_gets(inner: Arc<Inner>, conn: Connection, peer: Rank) {
+/// Accepts the peer's get and flush streams, each served by its own task on tokio
+/// (never on the application thread that owns the window), until the connection ends.
+/// `reads` counts the data frames the connection's message stream delivered.
+async fn serve_gets(inner: Arc<Inner>, conn: Connection, peer: Rank, reads: watch::Receiver<u64>) {
     while let Ok((send, recv)) = conn.accept_bi().await {
-        let task = tokio::spawn(serve_get(inner.clone(), conn.clone(), peer, send, recv));
+        let task = tokio::spawn(serve_get(inner.clone(), conn.clone(), peer, (send, recv), reads.clone()));
         inner.track(task.abort_handle());
     }
 }
 
 /// Answers one get: reads the request, looks the range up, and sends back a slice of
-/// the window (no copy) or the refusal.
-async fn serve_get(inner: Arc<Inner>, conn: Connection, peer: Rank, mut send: SendStream, mut recv: RecvStream) {
+/// the window (no copy) or the refusal. Or answers a flush, once the message stream
+/// has delivered as many data frames as it names.
+async fn serve_get(
+    inner: Arc<Inner>,
+    conn: Connection,
+    peer: Rank,
+    (mut send, mut recv): (SendStream, RecvStream),
+    mut reads: watch::Receiver<u64>,
+) {
     let me = inner.me.rank;
     let cap = inner.cfg.get_max_payload();
     let t = inner.cfg.get_handshake_timeout();
     let req = match timeout(t, read_request(&mut recv, FrameLimits { max_payload: cap, peer })).await {
-        Ok(Ok(req)) => req,
+        Ok(Ok(Request::Get(req))) => req,
+        Ok(Ok(Request::Flush(count))) => {
+            // Unbounded: the flusher gives up by itself, and then resets the stream.
+            if reads.wait_for(|&n| n >= count).await.is_err() {
+                tracing::debug!("{me}: the message stream of {peer} ended before its flush");
+                return;
+            }
+            let header = FrameHeader::get(FrameKind::Flushed, me, count, 0).encode();
+            if send.write_all(&header).await.is_ok() {
+                let _ = send.finish();
+            }
+            return;
+        }
         Ok(Err(e @ TransportError::Frame { .. })) => {
             tracing::error!("{me}: closing the connection from {peer}: {e}");
             conn.close(close::BAD_FRAME.into(), b"bad frame");
@@ -189,14 +224,25 @@ async fn serve_get(inner: Arc<Inner>, conn: Connection, peer: Rank, mut send: Se
     let _ = send.finish();
 }
 
-/// Reads a get request: a validated get-request header and the request itself.
-async fn read_request(recv: &mut RecvStream, limits: FrameLimits) -> Result<GetRequest, TransportError> {
+/// What a stream beside the message stream asks.
+enum Request {
+    Get(GetRequest),
+    /// A flush, of that many data frames.
+    Flush(u64),
+}
+
+/// Reads a get request (a validated get-request header and the request itself) or a
+/// flush.
+async fn read_request(recv: &mut RecvStream, limits: FrameLimits) -> Result<Request, TransportError> {
     let peer = limits.peer;
     let h = wire::read_header(recv, limits).await?;
     let malformed = |what| TransportError::Frame { peer, source: FrameError::Malformed(what) };
-    if h.kind != FrameKind::GetRequest {
-        return Err(malformed("not a get request on a get stream"));
+    match h.kind {
+        FrameKind::GetRequest => {
+            let body = wire::read_payload(recv, peer, REQUEST_LEN as u64).await?;
+            GetRequest::decode(&body).map(Request::Get).ok_or_else(|| malformed("get request"))
+        }
+        FrameKind::Flush => Ok(Request::Flush(h.request_id())),
+        _ => Err(malformed("neither a get request nor a flush on a get stream")),
     }
-    let body = wire::read_payload(recv, peer, REQUEST_LEN as u64).await?;
-    GetRequest::decode(&body).ok_or_else(|| malformed("get request"))
 }

@@ -24,6 +24,11 @@
 //!   owner's tokio task for that connection answers with a reply frame (a slice of the
 //!   window, no copy) or a refusal frame, so the owner's application thread takes no
 //!   part and gets need no request ids.
+//! - **Flushes** ([`crate::Transport::flush`]): a send completes once quinn has its
+//!   bytes, which a process that dies takes with it. A flush counts the frames its
+//!   connection's writer task has written and asks the peer, on a fresh bidirectional
+//!   stream, to answer once its reader has delivered that many; every connection at
+//!   once.
 //! - **Datagrams** (`tls::transport_config`): sized for the kernel's route to each peer.
 //!   On loopback-like routes (MTU ≥ 16 KiB) one datagram of up to 64 KB per system
 //!   call, elsewhere segmentation offload with segments of at most 6.5 KB; MTU
@@ -73,6 +78,9 @@ const NAME: &str = "quic";
 /// 4 jobs (nor with 32 MiB in 4), at the same throughput (the receiver's CPU is the
 /// limit). The buffer only fills while the receiver lags behind.
 const SOCKET_BUFFER: usize = 16 << 20;
+
+/// How often a flush looks whether its peer is known to have ended meanwhile.
+const ENDED_POLL: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// The connection to one peer, behind a lock held while it is being opened.
 type Slot = Arc<tokio::sync::Mutex<Option<Arc<Outbound>>>>;
@@ -236,6 +244,58 @@ impl Inner {
     }
 }
 
+impl Inner {
+    /// See [`Transport::flush`]: the peer of every connection confirms, all at once. A
+    /// peer known to have ended (or whose connection did) is not waited for.
+    async fn flush(&self) -> Result<(), TransportError> {
+        let slots: Vec<(Rank, Slot)> = lock(&self.out)
+            .iter()
+            .filter(|(r, _)| !self.mailbox.has_ended(**r))
+            .map(|(r, s)| (*r, s.clone()))
+            .collect();
+        let mut flushes = tokio::task::JoinSet::new();
+        for (peer, slot) in slots {
+            let (mailbox, me) = (self.mailbox.clone(), self.me.rank);
+            flushes.spawn(async move {
+                let confirmed = async {
+                    // A dial in progress holds the slot: its sends have not completed.
+                    let Some(out) = slot.lock().await.clone() else { return Ok(()) };
+                    let res = match out.ended() {
+                        None => out.flush(me).await,
+                        Some(e) => Err(e),
+                    };
+                    match res {
+                        // What it was sent ended with it.
+                        Err(e) if out.ended().is_some() || mailbox.has_ended(peer) => {
+                            tracing::debug!("{me}: no flush to {peer}: {e}");
+                            Ok(())
+                        }
+                        res => res,
+                    }
+                };
+                // The launcher's notice of a failure reaches the mailbox, not the
+                // connection, which would wait for its idle timeout.
+                let ended = async {
+                    while !mailbox.has_ended(peer) {
+                        tokio::time::sleep(ENDED_POLL).await;
+                    }
+                };
+                tokio::select! {
+                    res = confirmed => res,
+                    () = ended => Ok(()),
+                }
+            });
+        }
+        let mut first = Ok(());
+        while let Some(res) = flushes.join_next().await {
+            if let (Ok(Err(e)), true) = (res, first.is_ok()) {
+                first = Err(e);
+            }
+        }
+        first
+    }
+}
+
 impl Transport for QuicTransport {
     fn name(&self) -> &'static str {
         NAME
@@ -272,6 +332,10 @@ impl Transport for QuicTransport {
 
     fn close(&self) -> BoxFuture<'_, ()> {
         Box::pin(self.inner.close())
+    }
+
+    fn flush(&self) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(self.inner.flush())
     }
 
     fn expose(&self, region: Bytes) -> Result<WindowId, TransportError> {

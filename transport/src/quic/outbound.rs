@@ -25,6 +25,8 @@ enum Job {
     /// Write the goodbye frame, finish the stream, and wait (until the deadline) for the
     /// peer to acknowledge everything.
     Bye([u8; HEADER_LEN], Instant, oneshot::Sender<()>),
+    /// Say how many frames were written before this job.
+    Count(oneshot::Sender<u64>),
 }
 
 /// Our authenticated connection to one peer.
@@ -85,6 +87,35 @@ impl Outbound {
         }
     }
 
+    /// Completes once the peer has read every frame written before the call. quinn's
+    /// send completes when quinn has the bytes, which go with this process if it dies:
+    /// the peer confirms, on a stream of its own, once its reader is past that many
+    /// frames of the message stream.
+    pub(super) async fn flush(&self, me: Rank) -> Result<(), TransportError> {
+        let (tx, rx) = oneshot::channel();
+        if self.jobs.send(Job::Count(tx)).is_err() {
+            return Err(self.ended().unwrap_or(TransportError::PeerLost(self.peer)));
+        }
+        let Ok(count) = rx.await else { return Err(self.ended().unwrap_or(TransportError::PeerLost(self.peer))) };
+        if count == 0 {
+            return Ok(());
+        }
+        let dst = self.peer;
+        let confirmed = async {
+            let (mut send, mut recv) = self.conn.open_bi().await.map_err(|e| wire::conn_error(dst, &e))?;
+            let header = FrameHeader::get(FrameKind::Flush, me, count, 0).encode();
+            send.write_all(&header).await.map_err(|e| wire::write_error(dst, e))?;
+            // Only fails if the stream is already finished or reset, which it is not.
+            let _ = send.finish();
+            let h = wire::read_header(&mut recv, FrameLimits { max_payload: 0, peer: dst }).await?;
+            if h.kind != FrameKind::Flushed || h.request_id() != count {
+                return Err(TransportError::Frame { peer: dst, source: FrameError::Malformed("not a flush's answer") });
+            }
+            Ok(())
+        };
+        confirmed.await
+    }
+
     /// Says goodbye after the frames already queued, waits until `deadline` at most for
     /// the peer to have them all, and closes the connection.
     pub(super) async fn goodbye(&self, header: [u8; HEADER_LEN], deadline: Instant) {
@@ -99,6 +130,7 @@ impl Outbound {
 /// The writer task: writes queued frames in order until the stream fails, the goodbye
 /// is written, or the connection is dropped.
 async fn write_frames(mut send: SendStream, mut jobs: mpsc::UnboundedReceiver<Job>) {
+    let mut written = 0u64;
     while let Some(job) = jobs.recv().await {
         match job {
             Job::Frame(mut chunks, ack) => {
@@ -108,6 +140,10 @@ async fn write_frames(mut send: SendStream, mut jobs: mpsc::UnboundedReceiver<Jo
                 if failed {
                     return;
                 }
+                written += 1;
+            }
+            Job::Count(reply) => {
+                let _ = reply.send(written);
             }
             Job::Bye(header, deadline, done) => {
                 if send.write_all(&header).await.is_ok() && send.finish().is_ok() {

@@ -569,6 +569,7 @@ impl Reader {
                 }
             }
             FrameKind::Bye => return Err(malformed("goodbye inside a frame")),
+            FrameKind::Flush | FrameKind::Flushed => return Err(malformed("a flush frame over tcp")),
         }
         Ok(())
     }

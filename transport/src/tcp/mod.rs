@@ -418,6 +418,18 @@ impl Transport for TcpTransport {
         Box::pin(self.inner.close())
     }
 
+    fn flush(&self) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(async {
+            let ended = |r: &Rank| self.inner.mailbox.has_ended(*r);
+            let outs: Vec<Arc<Outbound>> =
+                lock(&self.inner.out).iter().filter(|(r, _)| !ended(r)).map(|(_, o)| o.clone()).collect();
+            for o in outs {
+                o.drained().await;
+            }
+            Ok(())
+        })
+    }
+
     fn expose(&self, region: Bytes) -> Result<WindowId, TransportError> {
         Ok(self.inner.windows.expose(region))
     }

@@ -282,6 +282,19 @@ impl Outbound {
         if let Err(e) = tokio::time::timeout_at(deadline, self.send(bye, Bytes::new())).await.unwrap_or(Ok(())) {
             tracing::debug!("goodbye to {} failed: {e}", self.peer);
         }
+        if tokio::time::timeout_at(deadline, self.drained()).await.is_err() {
+            tracing::debug!("goodbye to {} timed out with data queued", self.peer);
+        }
+        let _ = self.fd.get_ref().shutdown(std::net::Shutdown::Write);
+    }
+
+    /// Resolves once nothing is queued, every frame written to the kernel (which
+    /// delivers it even if this process dies), or the connection has failed (taking
+    /// what was queued with it).
+    pub(super) async fn drained(&self) {
+        if !crate::transport::thread_polls() {
+            self.wake_writer();
+        }
         loop {
             let notified = self.space.notified();
             tokio::pin!(notified);
@@ -289,15 +302,11 @@ impl Outbound {
             {
                 let st = lock(&self.state);
                 if st.queue.is_empty() || st.error.is_some() {
-                    break;
+                    return;
                 }
             }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                tracing::debug!("goodbye to {} timed out with data queued", self.peer);
-                break;
-            }
+            notified.await;
         }
-        let _ = self.fd.get_ref().shutdown(std::net::Shutdown::Write);
     }
 }
 
