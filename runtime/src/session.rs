@@ -154,6 +154,21 @@ fn dies_here(env: &'static str, member: usize, epoch: u64, when: &str) {
     }
 }
 
+/// Waits until what this process sent for the move to `epoch` has left it for good
+/// ([`ductile_transport::Transport::flush`]): a send completes once the transport has
+/// the bytes, which may still be in this process (tcp's queue, quinn's buffers, a
+/// rendezvous payload), and a process that died just after its move took them with it,
+/// so that a new process missed part of its data and failed too. Peers that ended are
+/// not waited for; a flush that fails is logged, and the targets' own receives say
+/// what is missing.
+fn flush_move(g: &Group, endpoint: &Endpoint, epoch: u64) {
+    let ep = endpoint.clone();
+    let limit = g.as_async().timeout();
+    if let Err(e) = g.block(async move { ep.flush(limit).await.map_err(Error::from) }) {
+        tracing::warn!("{}: the move to epoch {epoch} may not have reached every process: {e}", endpoint.rank());
+    }
+}
+
 /// The context of a change's background moves: a transition context with the epoch's
 /// bit 29 flipped (epochs never get near 2^29).
 fn background_context(epoch: u64) -> Context {
@@ -830,6 +845,7 @@ impl Session {
             self.method,
             overlap.is_some(),
         ))?;
+        flush_move(&transition, &self.endpoint, epoch);
         let redistribute = t1.elapsed();
         let background = overlap.map_or(0, |(from, to)| micros(to.saturating_duration_since(from)));
         dies_here(DIE_AFTER_MOVE_ENV, tpos, epoch, "after its move to epoch {epoch}");

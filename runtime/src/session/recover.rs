@@ -139,6 +139,7 @@ impl Session {
         self.moved_for = Some(epoch);
         let registry = &mut self.registry;
         let lost = transition.block(registry.recover(transition.core_async(), parts, &new_pos, &failed))?;
+        super::flush_move(&transition, &self.endpoint, epoch);
         let redistribute = t1.elapsed();
         let times = match alive.allreduce(&[micros(connect), micros(redistribute)], ReduceOp::Max) {
             Ok(times) => times,
