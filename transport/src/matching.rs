@@ -599,6 +599,16 @@ impl Mailbox {
         st.ended.contains_key(&r) || st.is_fenced(r)
     }
 
+    /// The error of an operation on peer `r`, which has ended ([`Mailbox::has_ended`]):
+    /// closed if it said goodbye, lost otherwise.
+    #[must_use]
+    pub fn ended_error(&self, r: Rank) -> TransportError {
+        match self.lock().ended.get(&r) {
+            Some(PeerEnd::Closed) => TransportError::PeerClosed(r),
+            _ => TransportError::PeerLost(r),
+        }
+    }
+
     /// The first of `ranks` whose connection broke without a goodbye ([`PeerEnd::Lost`]),
     /// if any: a process that failed, as this process's transport saw it.
     #[must_use]

@@ -245,23 +245,39 @@ async fn a_dead_peer_is_an_error_not_a_hang(b: Backend) {
     let mut eps = b.job(3, 1);
     eps[0].send(Rank(2), Context(0), Tag(1), Bytes::from_static(b"before")).await.unwrap();
     assert_eq!(eps[2].recv(from(0, 1), T).await.unwrap().payload, &b"before"[..]);
+    // Rank 1 and the peer that dies are connected both ways, so that rank 1 has seen
+    // the connection from it end before it asks for its window.
+    eps[1].send(Rank(0), Context(0), Tag(1), Bytes::from_static(b"hello")).await.unwrap();
+    assert_eq!(eps[0].recv(from(1, 1), T).await.unwrap().payload, &b"hello"[..]);
+    eps[0].send(Rank(1), Context(0), Tag(1), Bytes::from_static(b"hello")).await.unwrap();
+    assert_eq!(eps[1].recv(from(0, 1), T).await.unwrap().payload, &b"hello"[..]);
     let window = eps[0].expose(body(1 << 20, 3)).unwrap();
     drop(eps.remove(0));
     let (one, two) = (&eps[0], &eps[1]);
     // A receive from the dead peer and a get of its window end in an error naming it,
-    // before the wait's own timeout.
+    // before the wait's own timeout: also a get started after its end was seen (over
+    // tcp, its request went into a socket nobody read, and it waited for ever).
     let limit = Duration::from_secs(15);
     let started = std::time::Instant::now();
-    let err = two.recv(from(0, 1), limit).await.unwrap_err();
-    assert!(err.to_string().contains("rank 0"), "{err}");
-    assert!(!matches!(err, TransportError::Timeout { .. }), "{err}");
+    for ep in [two, one] {
+        let err = ep.recv(from(0, 1), limit).await.unwrap_err();
+        assert!(err.to_string().contains("rank 0"), "{err}");
+        assert!(!matches!(err, TransportError::Timeout { .. }), "{err}");
+    }
+    let (seen, took) = (started.elapsed(), std::time::Instant::now());
     let err = one.get(Rank(0), window, 0, 1 << 20, limit).await.unwrap_err();
-    assert!(err.to_string().contains("rank 0"), "{err}");
+    assert!(err.to_string().contains("rank 0") && !matches!(err, TransportError::Timeout { .. }), "{err}");
     let landing = Landing::new(vec![0; 1 << 17], 1 << 20).unwrap();
     let part = landing.part(0..1 << 20).unwrap();
     let err = one.get_into(Rank(0), window, 0, part, limit).await.unwrap_err();
-    assert!(err.to_string().contains("rank 0"), "{err}");
-    assert!(started.elapsed() < 2 * limit);
+    assert!(err.to_string().contains("rank 0") && !matches!(err, TransportError::Timeout { .. }), "{err}");
+    // Once the end is seen, a get fails at once.
+    assert!(
+        took.elapsed() < Duration::from_secs(3),
+        "the gets took {:?} (the end seen after {seen:?})",
+        took.elapsed()
+    );
+    assert!(seen < 2 * limit, "the end seen after {seen:?}");
     // The survivors carry on.
     one.send(Rank(2), Context(0), Tag(1), Bytes::from_static(b"alive")).await.unwrap();
     assert_eq!(two.recv(from(1, 1), T).await.unwrap().payload, &b"alive"[..]);

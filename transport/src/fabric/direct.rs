@@ -218,7 +218,17 @@ impl Inner {
             }
             Err(e) => {
                 drop(dest);
-                self.chunk_done(id, Err(format!("copying from process {pid}: {e}")));
+                let why = format!("copying from process {pid}: {e}");
+                if e.raw_os_error() == Some(libc::ESRCH) {
+                    // Its process is gone, so the peer is, whether or not anyone said so
+                    // yet: what waits on it fails as on a lost peer (which a job that
+                    // recovers from failures recovers from), not as a refused read.
+                    let peer = self.transfers.peer_of(id);
+                    if let Some(peer) = peer.filter(|&p| !self.mailbox.has_ended(p)) {
+                        self.peer_ended(peer, crate::matching::PeerEnd::Lost, &why);
+                    }
+                }
+                self.chunk_done(id, Err(why));
             }
         }
     }

@@ -80,6 +80,11 @@ impl Transfers {
         }
     }
 
+    /// The peer transfer `id` reads from, if it is still in flight.
+    pub(super) fn peer_of(&self, id: u64) -> Option<Rank> {
+        lock(&self.0).get(&id).map(|t| t.peer)
+    }
+
     /// The bulk receives from `peer` still in flight.
     pub(super) fn bulk_from(&self, peer: Rank) -> Vec<u64> {
         lock(&self.0).iter().filter(|(_, t)| t.bulk && t.peer == peer).map(|(id, _)| *id).collect()
@@ -401,9 +406,19 @@ impl Inner {
 
     /// Asks `dst` for window `id`'s descriptor: (lease, size, region).
     async fn query(&self, dst: Rank, id: WindowId) -> Result<(u64, u64, Region), TransportError> {
+        // A peer known to have ended is not dialed again (a handshake with a dead
+        // process waits for its timeout); and a query started after its end, which
+        // failed only those before, fails as they did.
+        if self.mailbox.has_ended(dst) {
+            return Err(self.mailbox.ended_error(dst));
+        }
         self.connect(dst).await?;
         let to = lock(&self.sessions).to(dst).ok_or(TransportError::PeerLost(dst))?;
         let (req, rx) = self.queries.start(dst, DESC_LEN as u64);
+        if self.mailbox.has_ended(dst) {
+            self.queries.cancel(req);
+            return Err(self.mailbox.ended_error(dst));
+        }
         let sent = self.post_msg(Some(dst), to, &Msg::Query { req, window: id }, &[], None);
         let raw = await_get(&self.queries, req, rx, std::future::ready(sent)).await?;
         let (size, region) = decode_desc(&raw)

@@ -639,12 +639,15 @@ impl Reader {
         st.buf.clear();
         st.big = None;
         let gets = &self.one_sided.gets;
+        // The mailbox hears first: a get started from now on sees the peer has ended
+        // (see `Inner::get`), and those started before are failed here.
         match how {
             Ok(()) => {
-                gets.fail_peer(conn.peer, || TransportError::PeerClosed(conn.peer));
                 self.mailbox.peer_ended(conn.peer, PeerEnd::Closed);
+                gets.fail_peer(conn.peer, || TransportError::PeerClosed(conn.peer));
             }
             Err(e) => {
+                self.mailbox.peer_ended(conn.peer, PeerEnd::Lost);
                 gets.fail_peer(conn.peer, || TransportError::PeerLost(conn.peer));
                 if !self.shutdown.load(Ordering::Acquire) {
                     // A peer that dies is named by what waits on it, and by the launcher;
@@ -655,7 +658,6 @@ impl Reader {
                         tracing::info!("{}: connection from {} dropped: {e}", self.me, conn.peer);
                     }
                 }
-                self.mailbox.peer_ended(conn.peer, PeerEnd::Lost);
             }
         }
         true

@@ -189,7 +189,20 @@ impl Inner {
             return Ok(local);
         }
         let (rid, rx) = self.gets.start(dst, len);
+        self.fail_if_ended(dst, rid)?;
         window::await_get(&self.gets, rid, rx, self.request(dst, rid, req)).await
+    }
+
+    /// Withdraws get `rid` if `dst` has ended: its reply would come on the connection
+    /// from `dst`, whose end failed only the gets started before it (a get started
+    /// after, its request written into a socket nobody reads, waited forever: a
+    /// one-sided move from a process that died as it began hung now and then).
+    fn fail_if_ended(&self, dst: Rank, rid: u64) -> Result<(), TransportError> {
+        if !self.mailbox.has_ended(dst) {
+            return Ok(());
+        }
+        self.gets.cancel(rid);
+        Err(self.mailbox.ended_error(dst))
     }
 
     /// A get straight into `into`: the reader thread reads a large reply into it.
@@ -207,6 +220,7 @@ impl Inner {
             return Ok(into);
         }
         let (rid, rx) = self.gets.start_into(dst, into);
+        self.fail_if_ended(dst, rid)?;
         window::await_landed(&self.gets, rid, rx, self.request(dst, rid, req)).await
     }
 
