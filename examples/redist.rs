@@ -266,6 +266,12 @@ fn check_methods(s: &Session, args: &Args) -> anyhow::Result<()> {
 
 /// Compares every element this process holds with its expected value.
 fn verify(s: &Session, args: &Args) -> anyhow::Result<()> {
+    verify_after(s, args, &[])
+}
+
+/// As [`verify`], after a recovery that lost `lost` (item, global range): there, every
+/// element must be zero; everywhere else, as expected.
+fn verify_after(s: &Session, args: &Args, lost: &[(String, std::ops::Range<u64>)]) -> anyhow::Result<()> {
     for (k, (name, _)) in item_names(args).into_iter().enumerate() {
         let seed = k as u64;
         let range = s.block_range(name)?;
@@ -278,13 +284,40 @@ fn verify(s: &Session, args: &Args) -> anyhow::Result<()> {
             bail!("{name}: holds {} elements for range {range:?}", bits.len());
         }
         let mask = if name == "bytes" { 0xff } else { u64::MAX };
-        if let Some(i) = (0..bits.len()).find(|&i| bits[i] != value(seed, range.start + i as u64) & mask) {
+        let gone = |g: u64| lost.iter().any(|(item, r)| item == name && r.contains(&g));
+        let expected = |g: u64| if gone(g) { 0 } else { value(seed, g) & mask };
+        if let Some(i) = (0..bits.len()).find(|&i| bits[i] != expected(range.start + i as u64)) {
             bail!(
                 "{name}: element {} is {:#x}, expected {:#x}",
                 range.start + i as u64,
                 bits[i],
-                value(seed, range.start + i as u64) & mask
+                expected(range.start + i as u64)
             );
+        }
+    }
+    Ok(())
+}
+
+/// Gives the elements a recovery lost (`lost`: item, global range) their values again,
+/// as an application rebuilds them.
+fn mend(s: &mut Session, args: &Args, lost: &[(String, std::ops::Range<u64>)]) -> anyhow::Result<()> {
+    for (k, (name, _)) in item_names(args).into_iter().enumerate() {
+        let (seed, range) = (k as u64, s.block_range(name)?);
+        let gone = |g: &u64| lost.iter().any(|(item, r)| item == name && r.contains(g));
+        let fix = range.clone().enumerate().filter(|(_, g)| gone(g));
+        match name {
+            "bytes" => {
+                let b = s.block_mut::<u8>(name)?;
+                fix.for_each(|(i, g)| b[i] = value(seed, g) as u8);
+            }
+            "odd" => {
+                let b = s.block_mut::<f64>(name)?;
+                fix.for_each(|(i, g)| b[i] = f64::from_bits(value(seed, g)));
+            }
+            _ => {
+                let b = s.block_mut::<u64>(name)?;
+                fix.for_each(|(i, g)| b[i] = value(seed, g));
+            }
         }
     }
     Ok(())
@@ -403,6 +436,20 @@ fn main() -> anyhow::Result<()> {
                         let files = block_files(s.block::<u64>("large")?)?;
                         println!("redist: change {}: large lies in {files} files", s.epoch());
                     }
+                }
+            }
+            Checkpoint::Recovered(rc) => {
+                verify_after(&s, &args, &rc.lost)
+                    .with_context(|| format!("after the recovery to epoch {}", s.epoch()))?;
+                mend(&mut s, &args, &rc.lost)?;
+                if s.world().rank() == 0 {
+                    let lost: u64 = rc.lost.iter().map(|(_, r)| r.end - r.start).sum();
+                    println!(
+                        "redist: recovery to epoch {}: {} -> {} processes, {lost} elements lost, the others intact",
+                        s.epoch(),
+                        rc.resize.old_size,
+                        rc.resize.new_size
+                    );
                 }
             }
             _ => std::thread::sleep(std::time::Duration::from_millis(1)),

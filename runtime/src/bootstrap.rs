@@ -164,6 +164,13 @@ pub enum ToRank {
     /// finish its switch without them says it is ready to recover
     /// ([`FromRank::Recover`]), and the job ends.
     Gone(Failure),
+    /// The change to `epoch` switched: a process that said its move to it was done
+    /// ([`FromRank::Recover`]'s `moved`) takes it, and then recovers from there (or
+    /// leaves, if it was leaving).
+    Settled {
+        /// The change's epoch.
+        epoch: u64,
+    },
 }
 
 /// Processes that failed, as the controller tells the others.
@@ -226,9 +233,16 @@ pub enum FromRank {
         count: u64,
         /// Whether its registered data is still that of `epoch`, whole: false once it
         /// began to move the data of a change it has not completed (a change to a later
-        /// epoch, which the failure interrupted). A change interrupted before any
-        /// process moved its data can be abandoned, and the job recover at `epoch`.
+        /// epoch, which the failure interrupted), unless it kept its old blocks (with
+        /// `--on-failure shrink`, a blocking move keeps them until the change commits).
+        /// A change that no process committed to can be abandoned, and the job recover at
+        /// `epoch`.
         intact: bool,
+        /// Its move in that change is done, but the change's last collective lost a
+        /// process: it holds both its old blocks and its new ones, and takes the change
+        /// ([`ToRank::Settled`]) or leaves it (a recovery from `epoch`), whichever the
+        /// others allow.
+        moved: bool,
     },
     /// The rank finalized cleanly.
     Finalized,

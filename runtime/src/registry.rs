@@ -74,6 +74,10 @@ pub(crate) struct Registry {
     moving: Vec<Option<Bytes>>,
     /// How each distributed entry's data moved at its last change (`None`: not yet).
     moved_by: Vec<Option<Method>>,
+    /// The old blocks of a blocking move that keeps them ([`Registry::redistribute`]'s
+    /// `keep`), by entry index, with how the entry moved before, until the change is
+    /// settled ([`Registry::settle`]) or undone ([`Registry::restore`]).
+    kept: Vec<(usize, Bytes, Option<Method>)>,
 }
 
 /// New blocks of the constant items a background move produced, by entry index, with
@@ -318,13 +322,18 @@ impl Registry {
     ///
     /// # Collective
     /// Over the transition group.
+    ///
+    /// `keep`: the old blocks are kept, whole, until [`Registry::settle`] or
+    /// [`Registry::restore`], so that a change a failure interrupts can be undone. They
+    /// are then shared with the move as they are and none of their pages is handed over
+    /// or recycled (as in a background move); what that costs is the copy of a
+    /// member's own overlap.
     pub(crate) async fn redistribute(
         &mut self,
         t: &AsyncGroup,
         parts: Parts,
         new_pos: &[Option<u32>],
-        method: Method,
-        variable_only: bool,
+        (method, variable_only, keep): (Method, bool, bool),
     ) -> Result<()> {
         let plan = Plan::new(parts, new_pos, t.rank(), None);
         for i in 0..self.entries.len() {
@@ -332,12 +341,39 @@ impl Registry {
             if variable_only && matches!(self.entries[i].kind, Kind::Distributed { constant: true, .. }) {
                 continue;
             }
-            let old = self.take_old(i);
+            let old = if keep {
+                let bytes = Bytes::from_owner(std::mem::take(&mut self.blocks[i]));
+                self.kept.push((i, bytes.clone(), self.moved_by[i]));
+                Old { bytes, runs: Vec::new(), pages: None }
+            } else {
+                self.take_old(i)
+            };
             let by = own.unwrap_or(method);
             self.blocks[i] = plan.run(t, i, global, elem, by, old).await?;
             self.moved_by[i] = Some(by);
         }
         Ok(())
+    }
+
+    /// Whether old blocks are kept for a change that may still be undone.
+    #[cfg(test)]
+    pub(crate) fn keeps(&self) -> bool {
+        !self.kept.is_empty()
+    }
+
+    /// The change whose old blocks were kept took place: they go.
+    pub(crate) fn settle(&mut self) {
+        self.kept.clear();
+    }
+
+    /// The change whose old blocks were kept is undone: every item it moved, or began
+    /// to move, has its old block back (a copy: the move may still share the kept
+    /// bytes) and its new block, whole or not, goes.
+    pub(crate) fn restore(&mut self) {
+        for (i, old, by) in self.kept.drain(..) {
+            self.blocks[i] = Aligned::from_bytes(&old);
+            self.moved_by[i] = by;
+        }
     }
 
     /// Item `i`'s block, taken for a move: handed to the transport as it is, without a
@@ -625,7 +661,10 @@ mod tests {
         use std::time::{Duration, Instant};
         const N: u64 = 3 << 20;
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        for (method, background) in Method::ALL.into_iter().flat_map(|m| [(m, false), (m, true)]) {
+        // `keep`: a blocking move that keeps the old blocks, which every member gets
+        // back, whole, when it fails.
+        let modes = [(false, false), (true, false), (false, true)];
+        for (method, (background, keep)) in Method::ALL.into_iter().flat_map(|m| modes.map(|x| (m, x))) {
             let members: Vec<Rank> = (0..3).map(Rank).collect();
             let mut eps = MemHub::endpoints(3);
             let dying = eps.pop().unwrap();
@@ -645,11 +684,18 @@ mod tests {
                         let res = if background {
                             reg.start_background(t, parts, &new_pos, method, 1.0).await.map(drop)
                         } else {
-                            reg.redistribute(&t, parts, &new_pos, method, false).await
+                            reg.redistribute(&t, parts, &new_pos, (method, false, keep)).await
                         };
                         if res.is_err() {
                             // As its process would, failing: its peers learn it has gone.
                             ep.transport().close().await;
+                        }
+                        if keep {
+                            assert!(reg.keeps(), "{method}: member {r} kept no block");
+                            if res.is_err() {
+                                reg.restore();
+                                assert_eq!(reg.block::<u64>("x").unwrap(), &block[..], "{method}: member {r}");
+                            }
                         }
                         (res, started.elapsed())
                     })
@@ -662,7 +708,7 @@ mod tests {
             let results: Vec<(Result<()>, Duration)> = moves.into_iter().map(|m| rt.block_on(m).unwrap()).collect();
             assert!(
                 results[0].0.is_err(),
-                "{method} {background}: the target's move succeeded without member 2's data"
+                "{method} {background} {keep}: the target's move succeeded without member 2's data"
             );
             // The first to notice names it (a member that saw another fail first may
             // name that one, which went too).

@@ -88,11 +88,29 @@ pub struct Session {
     /// The epoch of a change whose data this process began to move and that it has
     /// not completed: its registered data is no longer that of its membership, whole.
     moved_for: Option<u64>,
+    /// The blocking move of the change under way keeps the old blocks (with
+    /// `--on-failure shrink`; see `Registry::redistribute`): this process's registered
+    /// data is that of its membership, whole, until the change commits or is undone.
+    keeping: bool,
+    /// A change whose move this process finished but whose last collective lost a
+    /// process: it commits ([`ToRank::Settled`]) or is undone (a recovery from the
+    /// epoch before), as the controller decides.
+    staged: Option<Staged>,
     /// Why a checkpoint failed, once one has: the process can only finalize.
     broken: Option<String>,
     /// The launcher this process started when, started alone, it grew (see `adopt`):
     /// `finalize` waits for it, so the job has ended when the process does.
     launcher: Option<std::process::Child>,
+}
+
+/// A change whose move is done, as it commits ([`Session::commit_change`]), or waits
+/// to (`Session::staged`).
+struct Staged {
+    c: Change,
+    transition: Group,
+    tpos: usize,
+    new_pos: Vec<Option<u32>>,
+    overlap: Option<(Instant, Instant)>,
 }
 
 /// A change after the transition group agreed on the registry, before data moves.
@@ -477,6 +495,8 @@ impl Session {
             background_share: env.background_share,
             moving: None,
             moved_for: None,
+            keeping: false,
+            staged: None,
             broken: None,
             launcher: None,
         })
@@ -820,6 +840,13 @@ impl Session {
     }
 
     /// The second half: the (remaining) items move, the new world is built.
+    ///
+    /// With `--on-failure shrink`, a blocking move keeps the old blocks until the change
+    /// commits (`keeping`), so that a failure anywhere in the move leaves this process's
+    /// data of the old epoch whole, and the change can be abandoned. A process whose
+    /// move is done when the change's last collective loses a process does not commit
+    /// on its own: the change is `staged`, and it commits or is undone as the controller
+    /// decides ([`Session::recover`]).
     fn complete_change(
         &mut self,
         c: Change,
@@ -837,32 +864,48 @@ impl Session {
         }
         let t1 = Instant::now();
         self.moved_for = Some(epoch);
+        // A process new in the change has no old blocks: if the change is abandoned, it
+        // is ended.
+        let old = tpos < c.before.len();
+        self.keeping = self.recover && overlap.is_none() && old;
         let registry = &mut self.registry;
-        transition.block(registry.redistribute(
-            transition.core_async(),
-            parts,
-            &new_pos,
-            self.method,
-            overlap.is_some(),
-        ))?;
+        let how = (self.method, overlap.is_some(), self.keeping);
+        transition.block(registry.redistribute(transition.core_async(), parts, &new_pos, how))?;
         flush_move(&transition, &self.endpoint, epoch);
         let redistribute = t1.elapsed();
         let background = overlap.map_or(0, |(from, to)| micros(to.saturating_duration_since(from)));
         dies_here(DIE_AFTER_MOVE_ENV, tpos, epoch, "after its move to epoch {epoch}");
         let times = match transition.allreduce(&[micros(connect), micros(redistribute), background], ReduceOp::Max) {
-            Ok(times) => times,
+            Ok(times) => Some(times),
+            Err(e) if self.recover && e.is_failure() && self.keeping => {
+                // Its move is done, but another's may not be: nobody may have committed
+                // (the collective completes nowhere before every move is done), and the
+                // change may still be abandoned. It waits for the controller's word.
+                tracing::debug!("{me}: the change to epoch {epoch} lost a process after its move ({e}); staged");
+                self.staged = Some(Staged { c, transition, tpos, new_pos, overlap });
+                return Err(e);
+            }
             Err(e) if self.recover && e.is_failure() => {
-                // This process's move is done, so its part of the new layout is whole: it
-                // takes the new group (or leaves) all the same, and recovers in it at its
-                // next checkpoint, which the failure notice makes it reach. Every
-                // survivor whose move finished does so; one whose move did not is ready
-                // to recover only at the old epoch, its data half moved, and the job
-                // ends (before, it ended whenever a process failed after its move).
+                // A new process: its move is done, so its part of the new layout is
+                // whole. It takes the new group all the same, and recovers in it at its
+                // next checkpoint (or is ended, if the change is abandoned).
                 tracing::debug!("{me}: the change to epoch {epoch} lost a process after its move ({e}); taking it");
-                vec![0; 3]
+                None
             }
             Err(e) => return Err(e),
         };
+        self.commit_change(Staged { c, transition, tpos, new_pos, overlap }, times)
+    }
+
+    /// Takes the new membership of a change whose move is done (`times`: its switch
+    /// times, which its new rank 0 reports; `None`: the change's last collective lost a
+    /// process, and nothing is reported).
+    fn commit_change(&mut self, st: Staged, times: Option<Vec<u64>>) -> Result<Checkpoint> {
+        let Staged { c, transition, tpos, new_pos, overlap } = st;
+        let me = self.endpoint.rank();
+        let epoch = c.after.epoch;
+        self.registry.settle();
+        self.keeping = false;
         let old_size = c.before.len();
         let resize = Resize {
             seq: c.seq,
@@ -880,6 +923,7 @@ impl Session {
         self.last_change = Some((c.seq, resize.added.iter().map(|&a| a as u32).collect(), removed));
         if resize.new_rank.is_none() {
             self.released = true;
+            self.moved_for = None;
             // Its world is the old one's, stale now.
             self.memberships.advance();
             tracing::debug!("{me} released at epoch {epoch}");
@@ -890,7 +934,7 @@ impl Session {
         self.info.nodes = node_count(&c.after);
         self.membership = c.after;
         self.moved_for = None;
-        if resize.new_rank == Some(0) {
+        if let (Some(0), Some(times)) = (resize.new_rank, times) {
             if let Some(ctl) = self.control.as_mut() {
                 let times = SwitchTimes { connect_us: times[0], redistribute_us: times[1], background_us: times[2] };
                 bootstrap::write_msg(ctl, &FromRank::Switched { epoch, times }).map_err(control_err)?;

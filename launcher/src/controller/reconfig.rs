@@ -148,6 +148,21 @@ impl InFlight {
         matches!(self.phase, Phase::Spawning { .. })
     }
 
+    /// The membership before the change.
+    pub(super) fn members_before(&self) -> &[Rank] {
+        &self.old
+    }
+
+    /// Whether `r` was in the membership before the change.
+    pub(super) fn was_member(&self, r: Rank) -> bool {
+        self.old.contains(&r)
+    }
+
+    /// The processes that leave in the change.
+    pub(super) fn leavers(&self) -> Vec<Rank> {
+        self.leaving.iter().copied().collect()
+    }
+
     /// Whether `r` is one of the processes this change releases.
     pub(super) fn is_leaving(&self, r: Rank) -> bool {
         self.leaving.contains(&r)
@@ -182,12 +197,18 @@ impl Ctl {
     }
 
     /// Tells every process of change `seq` that still runs that `ids`, which left in it
-    /// badly (`why`), are gone, if the change has still not switched (see
-    /// [`ToRank::Gone`]).
+    /// badly (`why`) or failed, are gone, if the change has still not switched (see
+    /// [`ToRank::Gone`]); once it has, those still leaving in it (one may wait in the
+    /// change's last collective on a failed process, which the others no longer do).
     pub(super) async fn tell_gone(&mut self, seq: u32, ids: Vec<Rank>, why: String) {
-        let Some(f) = self.flight.as_ref().filter(|f| f.seq == seq && f.switching()) else { return };
-        let mut told: Vec<Rank> = f.old.clone();
-        told.extend(self.state.ranks.iter().filter(|r| !f.old.contains(r)));
+        let Some(f) = self.flight.as_ref().filter(|f| f.seq == seq) else { return };
+        let mut told: Vec<Rank> = if f.switching() {
+            let mut all = f.old.clone();
+            all.extend(self.state.ranks.iter().filter(|r| !f.old.contains(r)));
+            all
+        } else {
+            f.leaving.iter().copied().filter(|r| !f.ended.contains(r)).collect()
+        };
         told.retain(|r| !ids.contains(r));
         tracing::info!("resize {seq}: telling the processes of the change that {why}");
         let notice = ToRank::Gone(ductile::bootstrap::Failure { epoch: self.state.epoch, failed: ids, why });
@@ -208,8 +229,8 @@ impl Ctl {
                 // Its rank 0 sent it before it learnt of the failure: it recovers instead.
                 tracing::debug!("checkpoint from {id} during a recovery ignored");
             }
-            FromRank::Recover { epoch, count, intact } => {
-                let ready = super::recovery::Ready { id, epoch, count, intact };
+            FromRank::Recover { epoch, count, intact, moved } => {
+                let ready = super::recovery::Ready { id, epoch, count, intact, moved };
                 self.on_recover(ready).await;
             }
             FromRank::Finalized => self.on_finalized(id),

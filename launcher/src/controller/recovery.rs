@@ -12,25 +12,32 @@
 //! switch, and the reconfiguration is recorded with `trigger: failure`. A node lost
 //! with its agent leaves the pool: no growth goes there again.
 //!
-//! A failure while a change switches is recovered from at the change's epoch: a
-//! survivor commits to the new membership once its own move is done (normally when the
-//! change's last collective returns, which it does on no process before every process
-//! has moved its data; also when that collective lost the failed process). So a
-//! survivor ready to recover at the new epoch holds its part of the new layout whole.
-//! If every survivor is, the change has switched (whether or not its switch report
-//! comes: its new rank 0 may be the process that failed), and the recovery follows it.
+//! A failure while a change switches. Survivors keep their old blocks until the change
+//! commits (a blocking move shares them with the transport as they are and recycles
+//! none of their pages), so each survivor's data of the old epoch is whole wherever
+//! the failure came. A survivor whose move is done when the change's last collective
+//! loses a process does not take the change on its own: it says it is ready, `moved`,
+//! holding both layouts, and waits for the controller's word. The change's last
+//! collective completes nowhere before every process has moved its data, so:
+//! - a survivor ready at the old epoch whose move was not done (it waited on the
+//!   failed process and is told it is gone after [`GONE_GRACE`]) means nobody took the
+//!   change: it is abandoned ([`Ctl::abandon_change`]), the job's membership is the
+//!   old one again, and every survivor recovers from there, its old blocks back, each
+//!   told at once to stop waiting in the switch;
+//! - if every survivor is ready at the new epoch or `moved`, the change may have
+//!   switched somewhere. If one of the old membership took it (its collective
+//!   completed), the recovery follows the change. If none did, the controller takes
+//!   whichever loses less data ([`Ctl::abandon_loses_less`]): the failed processes'
+//!   old blocks if the change is abandoned, or their new blocks if it is followed; the
+//!   survivors waiting are told to take it ([`ToRank::Settled`]) or recover from the
+//!   old epoch. Leavers that are still waiting in the change's last collective, which
+//!   the others left, are told to stop, and take it too.
+//!
 //! Survivors not ready [`GONE_GRACE`] after a failure are told again, as of the epoch
 //! before ([`Ctl::unstick`]): that ends their waits in the switch (one may wait in the
-//! last collective on a process that has taken the new group meanwhile).
-//! A survivor that could not finish the switch (it waited on the failed process; it is
-//! told the process is gone after [`GONE_GRACE`]) is ready only at the old epoch. If it
-//! had not begun to move its data (it says so: `intact`), no process can have finished
-//! the switch, since none finishes before every process has moved its data: the change
-//! is abandoned ([`Ctl::abandon_change`]), the job's membership is the old one again,
-//! and every survivor recovers from there, each told at once to stop waiting in the
-//! switch. This is the likelier case: a switch spends most of its time connecting to
-//! the new processes and agreeing on the registry, before any data moves. A survivor
-//! whose data was half moved ends the job.
+//! last collective on a process that has taken the new group meanwhile). A process new
+//! in a change that is abandoned is ended with it, even if it took the change. A
+//! survivor whose data was not kept whole (a move in the background) ends the job.
 //!
 //! The job also ends when it cannot recover: no survivor left, a failure while a
 //! change's data moves in the background, a process that could not finish a shrink's
@@ -62,6 +69,9 @@ pub struct Ready {
     pub count: u64,
     /// Whether its data is still its epoch's, whole.
     pub intact: bool,
+    /// Its move in the change switching is done and it waits to take the change or
+    /// leave it: it is ready at either epoch.
+    pub moved: bool,
 }
 
 /// A recovery waiting for its survivors.
@@ -73,6 +83,11 @@ pub struct Recovering {
     abandoned: bool,
     /// Survivors that said they are ready at `epoch`.
     ready: HashSet<Rank>,
+    /// Those among them whose move in the change switching is done, waiting to take it
+    /// ([`ToRank::Settled`]) or leave it.
+    moved: HashSet<Rank>,
+    /// A process of the membership before that change took it: it cannot be abandoned.
+    committed: bool,
     /// The failed processes, in the order they failed.
     failed: Vec<Rank>,
     /// Why, one entry per failure.
@@ -259,6 +274,8 @@ impl Ctl {
                 epoch: self.state.epoch,
                 abandoned: false,
                 ready: HashSet::new(),
+                moved: HashSet::new(),
+                committed: false,
                 failed: Vec::new(),
                 why: Vec::new(),
                 first: ending,
@@ -330,23 +347,53 @@ impl Ctl {
 
     /// A survivor is ready to recover (`e`: at its epoch and checkpoint count).
     pub(super) async fn on_recover(&mut self, e: Ready) {
-        let Ready { id, epoch, count, intact } = e;
-        let behind = self.recovering.as_ref().is_some_and(|r| epoch + 1 == r.epoch && r.ready.is_empty());
-        if behind && intact && self.may_abandon() {
-            // It never began to move its data: nobody can have finished the switch.
-            self.abandon_change(id).await;
+        let Ready { id, epoch, count, intact, moved } = e;
+        // Ready at the epoch before, its move not done, while no survivor committed.
+        let behind = |r: &Recovering| epoch + 1 == r.epoch && r.ready.iter().all(|x| r.moved.contains(x));
+        if !moved && intact && self.recovering.as_ref().is_some_and(behind) && self.may_abandon() {
+            // Its move is not done, so the change's last collective completed nowhere:
+            // nobody can have committed to it, and the survivors' data is whole.
+            let because = format!("before {} had finished its move", self.who(id));
+            self.abandon_change(&because).await;
         }
+        let switched_away = self.flight.as_ref().is_some_and(|f| !f.switching() && f.is_leaving(id));
+        if !moved && switched_away {
+            // It leaves in a change that switched without it noticing: it is ended with
+            // the others that do not leave in time.
+            tracing::debug!("{id}, leaving in a change that has switched, is ready to recover; ignored");
+            return;
+        }
+        if self.recovering.as_ref().is_some_and(|r| r.abandoned) && !self.state.ranks.contains(&id) {
+            // A process new in the change abandoned, which took it: its agent ends it.
+            tracing::debug!("{id}, new in an abandoned change, is ready to recover; ignored");
+            return;
+        }
+        // One whose move is done holds both layouts: it is ready at either epoch. If the
+        // change has switched already, it takes it at once.
+        let switching = self.flight.as_ref().is_some_and(super::InFlight::switching);
+        let epoch = match self.recovering.as_mut() {
+            Some(r) if moved && r.epoch == epoch + 1 && !switching => {
+                if let Some(&a) = self.host.get(&id) {
+                    self.send(a, &ToAgent::ToRank(id, ToRank::Settled { epoch: epoch + 1 })).await;
+                }
+                epoch + 1
+            }
+            Some(r) if moved && (r.epoch == epoch + 1 || r.epoch == epoch) => {
+                r.moved.insert(id);
+                r.epoch
+            }
+            _ => epoch,
+        };
         match self.recovering.as_mut() {
             Some(r) if r.epoch == epoch && r.abandoned && !intact => {
-                let why = format!(
-                    "{} had begun to move its data in the switch to epoch {} (the others had not)",
-                    self.who(id),
-                    epoch + 1
-                );
+                let why = format!("{} had not kept its data whole in the switch to epoch {}", self.who(id), epoch + 1);
                 crate::say_errln!("ductile: the job cannot recover: {why}");
                 self.give_up(Ending::Reconfig(why));
             }
             Some(r) if r.epoch == epoch => {
+                if !moved && self.flight.as_ref().is_some_and(|f| f.switching() && f.was_member(id)) {
+                    r.committed |= epoch == self.state.epoch;
+                }
                 r.waiting.remove(&id);
                 r.ready.insert(id);
                 r.count = r.count.max(count);
@@ -402,6 +449,30 @@ impl Ctl {
         }
     }
 
+    /// Whether every survivor finished its move in the change switching but none took
+    /// it (each holds its old blocks and its new ones), and going back to the membership
+    /// before it loses less data: the old blocks of the failed processes that were in it,
+    /// rather than the new blocks of those that would be in the new one. Blocks are of
+    /// equal size in each layout, so the shares are counted: in a growth 2 -> 4, a new
+    /// process failing loses nothing if the growth is abandoned, a quarter if it is not;
+    /// an old one fails: half, against a quarter (and against three quarters if the new
+    /// processes, which could not finish without it, failed too).
+    fn abandon_loses_less(&self) -> bool {
+        let (Some(r), Some(f)) = (self.recovering.as_ref(), self.flight.as_ref()) else { return false };
+        if r.committed || !self.may_abandon() {
+            return false;
+        }
+        let running = |x: &Rank| self.agents.iter().any(|a| a.live.contains(x));
+        let failed = |x: &&Rank| r.failed.contains(x) || !running(x);
+        // A leaver not heard from may have taken the change, and gone.
+        if f.leavers().iter().any(|l| !failed(&l) && !r.moved.contains(l)) {
+            return false;
+        }
+        let (old, new) = (f.members_before(), &self.state.ranks);
+        let (lost_old, lost_new) = (old.iter().filter(failed).count(), new.iter().filter(failed).count());
+        lost_old * new.len() < lost_new * old.len()
+    }
+
     /// Whether the change under way may be abandoned for a recovery at the epoch before
     /// it: one switching in the foreground that is not itself a recovery.
     fn may_abandon(&self) -> bool {
@@ -415,7 +486,7 @@ impl Ctl {
     /// processes' exits are no failures), and every survivor recovers from the old
     /// epoch. Those still in the switch are told at once (a failure notice of the old
     /// epoch interrupts the switch's waits): none can finish it now.
-    async fn abandon_change(&mut self, first: Rank) {
+    async fn abandon_change(&mut self, because: &str) {
         let Some(f) = self.flight.take() else { return };
         let seq = f.seq();
         for &a in f.new_agents() {
@@ -437,13 +508,9 @@ impl Ctl {
             self.state.addrs.resize(burned.addrs.len(), ductile_transport::EndpointAddr(String::new()));
         }
         let old_epoch = f.prev.epoch;
-        let first = self.who(first);
         let Some(r) = self.recovering.as_mut() else { return };
         let why = r.why.join("; ");
-        let what = format!(
-            "resize {seq} was abandoned in its switch to epoch {}: {why}, and {first} had not moved any data yet",
-            burned.epoch
-        );
+        let what = format!("resize {seq} was abandoned in its switch to epoch {}: {why}, {because}", burned.epoch);
         crate::say_errln!("ductile: {what}; the job recovers as it was before it (epoch {old_epoch})");
         if f.is_growth() {
             self.failed_growths.push(format!("resize {seq}: failed during its switch: {why}"));
@@ -454,8 +521,9 @@ impl Ctl {
         let failed = r.failed.clone();
         let survivors = self.survivors(&failed, &[]);
         if let Some(r) = self.recovering.as_mut() {
-            r.waiting = survivors.iter().copied().collect();
-            r.ready.clear();
+            // Those whose move was done are ready at the old epoch as they were at the new.
+            r.waiting = survivors.iter().copied().filter(|s| !r.moved.contains(s)).collect();
+            r.ready.retain(|s| r.moved.contains(s));
         }
         // Its rank 0's next checkpoint is moot: it recovers instead.
         self.deferred = None;
@@ -495,7 +563,31 @@ impl Ctl {
             // Every survivor committed to the change's membership (see the module's
             // doc): it switched, even if its report never comes (its new rank 0
             // failed) or is still on its way. The change completes, then the recovery.
+            if self.abandon_loses_less() {
+                // Nobody took the change: it is abandoned, as it loses less data so.
+                self.abandon_change("no process had taken it yet, and the job loses less data without it").await;
+                return Box::pin(self.recovered_all()).await;
+            }
             tracing::info!("every survivor is at epoch {epoch}: the change under way has switched");
+            // Those waiting to take it take it now, the leavers among them leave.
+            let moved: Vec<Rank> = self.recovering.as_mut().map(|r| r.moved.drain().collect()).unwrap_or_default();
+            for &m in &moved {
+                if let Some(&a) = self.host.get(&m) {
+                    self.send(a, &ToAgent::ToRank(m, ToRank::Settled { epoch })).await;
+                }
+            }
+            // Leavers not heard from yet may wait in the change's last collective, which
+            // the others left: their waits in the switch end, and they take it too.
+            let leaving: Vec<Rank> = self.flight.as_ref().map(super::InFlight::leavers).unwrap_or_default();
+            if let Some(r) = self.recovering.as_ref() {
+                let notice =
+                    ToRank::Failure(Failure { epoch: epoch - 1, failed: r.failed.clone(), why: r.why.join("; ") });
+                for l in leaving.into_iter().filter(|l| !moved.contains(l)) {
+                    if let Some(&a) = self.host.get(&l) {
+                        self.send(a, &ToAgent::ToRank(l, notice.clone())).await;
+                    }
+                }
+            }
             return Box::pin(self.on_switched(epoch, ductile::bootstrap::SwitchTimes::default())).await;
         }
         if self.flight.is_some() {

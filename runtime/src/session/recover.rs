@@ -14,12 +14,20 @@
 //! checkpoint, or by starting that part of the computation again). Replicated items
 //! come from the first survivor, so nothing of them is lost.
 //!
-//! A process interrupted in a change says whether it had begun to move its data
-//! (`intact` in [`FromRank::Recover`]). If no survivor had, the controller abandons the
-//! change and the recovery starts from the membership before it, to the epoch after
-//! the abandoned change's: queued messages of that change are dropped, and its
-//! contexts are never used again. Its failed processes may then all be new ones,
-//! named in the recovery but no old rank: nothing is lost.
+//! A process interrupted in a change says whether its data is still that of its
+//! epoch, whole (`intact` in [`FromRank::Recover`]): with `--on-failure shrink` a
+//! blocking move keeps the old blocks until the change commits, so it is, wherever the
+//! failure came. A process whose move was done when the change's last collective lost
+//! a process has not committed either: it holds both layouts (`moved`). If some
+//! survivor had not finished its move, no process can have committed (that collective
+//! completes nowhere before every move is done), and the controller abandons the change:
+//! the recovery starts from the membership before it, to the epoch after the abandoned
+//! change's, every survivor with its old blocks back; queued messages of that change are
+//! dropped, and its contexts are never used again. Its failed processes may then all be
+//! new ones, named in the recovery but no old rank: nothing is lost. If every survivor
+//! had finished its move, the controller either abandons the change all the same, if
+//! nobody took it and that loses less data, or has those waiting take it
+//! ([`ToRank::Settled`]), and the recovery starts from there.
 
 use super::{background_context, control_err, micros, node_count, placement, transition_context};
 use super::{Checkpoint, Resize, Session};
@@ -58,23 +66,55 @@ impl Session {
             ));
         }
         let (epoch, count, timeout) = (self.membership.epoch, self.count, self.timeout);
-        let intact = self.moved_for.is_none();
-        let (Some(c), Some(w)) = (self.control.as_mut(), self.watcher.as_ref()) else {
+        let intact = self.moved_for.is_none() || self.keeping;
+        let moved = self.staged.is_some();
+        let Some(c) = self.control.as_mut() else {
             return Err(Error::Reconfigure("a process failed; only a launched job can recover".into()));
         };
-        bootstrap::write_msg(c, &FromRank::Recover { epoch, count, intact }).map_err(control_err)?;
+        bootstrap::write_msg(c, &FromRank::Recover { epoch, count, intact, moved }).map_err(control_err)?;
         let deadline = Instant::now() + timeout;
         let change = loop {
             let left = deadline.saturating_duration_since(Instant::now());
+            let Some(w) = self.watcher.as_ref() else {
+                return Err(Error::Reconfigure("a process failed; only a launched job can recover".into()));
+            };
             let m = w.next(left).map_err(|e| Error::Reconfigure(format!("no recovery from the controller: {e}")))?;
             match m {
                 ToRank::Decision(Decision::Change(c)) if !c.failed.is_empty() => break c,
-                // Answers sent before the failure was known, and further failures.
-                ToRank::Decision(_) | ToRank::Failure(_) => {}
+                ToRank::Settled { epoch } if self.staged.as_ref().is_some_and(|s| s.c.after.epoch == epoch) => {
+                    // The change switched: this process takes it, and then recovers from
+                    // there, or leaves (nothing of it is needed in the recovery).
+                    let Some(st) = self.staged.take() else { continue };
+                    tracing::debug!("{}: the change to epoch {epoch} switched; taking it", self.endpoint.rank());
+                    if let released @ Checkpoint::Released(_) = self.commit_change(st, None)? {
+                        return Ok(released);
+                    }
+                }
+                // Answers sent before the failure was known, further failures, and the
+                // word that a change this process did not finish moving for switched (a
+                // leaver whose move was interrupted late: it is ended).
+                ToRank::Decision(_) | ToRank::Failure(_) | ToRank::Settled { .. } => {}
                 other => {
                     return Err(Error::Reconfigure(format!("expected the recovery from the controller, got {other:?}")))
                 }
             }
+        };
+        if let Some(st) = self.staged.take_if(|st| change.before == st.c.after.ranks) {
+            // The recovery follows the change, whose switch was not announced here.
+            if let released @ Checkpoint::Released(_) = self.commit_change(st, None)? {
+                return Ok(released);
+            }
+        }
+        if self.keeping && change.before == self.membership.ranks {
+            // The change this process was moving to, or had moved to, was abandoned: its
+            // data is that of the old epoch again.
+            tracing::debug!("{}: the change under way was abandoned; old blocks restored", self.endpoint.rank());
+            self.staged = None;
+            self.registry.restore();
+            self.keeping = false;
+        }
+        let Some(w) = self.watcher.as_ref() else {
+            return Err(Error::Reconfigure("a process failed; only a launched job can recover".into()));
         };
         let why = w.failure().map(|f| f.why).unwrap_or_default();
         w.recovered();
