@@ -412,6 +412,18 @@ fn a_failure_after_every_move_finished_is_recovered_from_where_less_is_lost() {
             assert_eq!(failure_shrink(&v)["procs_after"].as_u64(), Some(2), "{v:#}");
         }
     }
+    // A process leaving in a shrink 4 -> 2 dies after its move: it was leaving anyway,
+    // and the others, told to take the change, go on in it; nothing is recovered from.
+    // Before, a process that stayed and had waited on it in the last collective ended
+    // the job (2 `redist` jobs of 3).
+    for (member, transport, name) in [(3, &[][..], "after-move-leaver-tcp"), (2, &quic[..], "after-move-leaver-quic")] {
+        let (sum, procs, stderr, v) = dies_in_a_switch(after, member, transport, (true, points), name);
+        assert_eq!((sum.as_str(), procs.as_str()), (rigid.as_str(), "2"), "{transport:?}: {stderr}");
+        assert!(stderr.contains("it was leaving anyway"), "{stderr}");
+        let rcs = v["reconfigurations"].as_array().unwrap();
+        assert_eq!(rcs.len(), 1, "{v:#}");
+        assert_eq!((rcs[0]["trigger"].as_str(), rcs[0]["procs_after"].as_u64()), (Some("policy"), Some(2)), "{v:#}");
+    }
 }
 
 #[test]

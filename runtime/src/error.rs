@@ -103,6 +103,15 @@ impl Error {
         };
         matches!(t, TransportError::Interrupted(_) | TransportError::PeerLost(_) | TransportError::Io { .. })
     }
+
+    /// The process that said goodbye, if the error is that one did.
+    pub(crate) fn closed_by(&self) -> Option<ductile_transport::Rank> {
+        match self {
+            Error::Transport(TransportError::PeerClosed(r))
+            | Error::Peer { error: TransportError::PeerClosed(r), .. } => Some(*r),
+            _ => None,
+        }
+    }
 }
 
 /// Result of ductile calls.

@@ -664,7 +664,8 @@ impl Session {
         };
         // Once a failure is notified, the error of a change it interrupted (a dial to a
         // process the launcher ended meanwhile that timed out, say) is the failure's too.
-        let told = |s: &Self| s.watcher.as_ref().is_some_and(|w| w.failure().is_some());
+        // A change staged here (see `complete_change`) waits for the controller's word.
+        let told = |s: &Self| s.watcher.as_ref().is_some_and(|w| w.failure().is_some()) || s.staged.is_some();
         match step {
             Err(e) if self.recover && (e.is_failure() || told(self)) => {
                 tracing::debug!("{}: checkpoint {}: {e}; recovering", self.endpoint.rank(), self.count);
@@ -877,7 +878,9 @@ impl Session {
         dies_here(DIE_AFTER_MOVE_ENV, tpos, epoch, "after its move to epoch {epoch}");
         let times = match transition.allreduce(&[micros(connect), micros(redistribute), background], ReduceOp::Max) {
             Ok(times) => Some(times),
-            Err(e) if self.recover && e.is_failure() && self.keeping => {
+            // A process leaving in this change that took it and left, while this one
+            // still waited on it: another had failed, and the leaver was told to go on.
+            Err(e) if self.keeping && (e.is_failure() || e.closed_by().is_some_and(|r| Self::leaves_in(&c, r))) => {
                 // Its move is done, but another's may not be: nobody may have committed
                 // (the collective completes nowhere before every move is done), and the
                 // change may still be abandoned. It waits for the controller's word.
@@ -886,15 +889,22 @@ impl Session {
                 return Err(e);
             }
             Err(e) if self.recover && e.is_failure() => {
-                // A new process: its move is done, so its part of the new layout is
-                // whole. It takes the new group all the same, and recovers in it at its
-                // next checkpoint (or is ended, if the change is abandoned).
+                // A new process (or an old one whose constant items moved in the
+                // background, which keeps nothing): its move is done, so its part of the
+                // new layout is whole. It takes the new group all the same, and recovers
+                // in it at its next checkpoint (a new one is ended if the change is
+                // abandoned; a failure in a background change ends the job).
                 tracing::debug!("{me}: the change to epoch {epoch} lost a process after its move ({e}); taking it");
                 None
             }
             Err(e) => return Err(e),
         };
         self.commit_change(Staged { c, transition, tpos, new_pos, overlap }, times)
+    }
+
+    /// Whether `r` leaves in change `c`.
+    fn leaves_in(c: &Change, r: Rank) -> bool {
+        c.before.contains(&r) && !c.after.ranks.contains(&r)
     }
 
     /// Takes the new membership of a change whose move is done (`times`: its switch

@@ -147,10 +147,10 @@ impl Ctl {
             self.left_badly = Some((ending, epoch));
         }
         self.announce_gone(ids, why);
-        let stale: Vec<(Rank, u64)> =
-            self.early_ready.iter().filter(|e| e.epoch < epoch).map(|e| (e.id, e.epoch)).collect();
-        for (id, at) in stale {
-            if self.left_behind(id, at).await && self.ending.is_some() {
+        let stale: Vec<(Rank, u64, bool)> =
+            self.early_ready.iter().filter(|e| e.epoch < epoch).map(|e| (e.id, e.epoch, e.moved)).collect();
+        for (id, at, moved) in stale {
+            if self.left_behind(id, at, moved).await && self.ending.is_some() {
                 return;
             }
         }
@@ -181,9 +181,20 @@ impl Ctl {
     /// blocked on it with it, until their timeout (`ductile run --timeout`, or the wait
     /// timeout of a switch): a process killed as it left, in one shrink out of a few,
     /// hung the job.
-    async fn left_behind(&mut self, id: Rank, epoch: u64) -> bool {
+    ///
+    /// One whose move was done (`moved`: the change's last collective lost the leavers,
+    /// after they handed it their data) takes the change instead ([`ToRank::Settled`]):
+    /// they were leaving anyway.
+    async fn left_behind(&mut self, id: Rank, epoch: u64, moved: bool) -> bool {
         let Some(to) = self.left_badly.as_ref().map(|l| l.1).filter(|&to| epoch < to) else { return false };
         self.early_ready.retain(|e| e.id != id);
+        if moved && epoch + 1 == to {
+            tracing::debug!("{id}'s move to epoch {to} was done when processes left badly: it takes the change");
+            if let Some(&a) = self.host.get(&id) {
+                self.send(a, &ToAgent::ToRank(id, ToRank::Settled { epoch: to })).await;
+            }
+            return true;
+        }
         if self.is_releasing(id) {
             // Its end is ours, no failure: the others that wait on it are told as of
             // one that left badly.
@@ -290,7 +301,10 @@ impl Ctl {
         // Survivors whose transports saw the failure before this controller did (those
         // ready at the epoch before, if any, are taken once the failure is known).
         let early = std::mem::take(&mut self.early_ready);
+        let took = |e: &Ready| !e.moved && self.flight.as_ref().is_some_and(|f| f.switching() && f.was_member(e.id));
         for e in early.iter().filter(|e| e.epoch == r.epoch) {
+            // One of the old membership at the new epoch took the change.
+            r.committed |= took(e) && e.epoch == self.state.epoch;
             r.waiting.remove(&e.id);
             r.ready.insert(e.id);
             r.count = r.count.max(e.count);
@@ -348,8 +362,9 @@ impl Ctl {
     /// A survivor is ready to recover (`e`: at its epoch and checkpoint count).
     pub(super) async fn on_recover(&mut self, e: Ready) {
         let Ready { id, epoch, count, intact, moved } = e;
-        // Ready at the epoch before, its move not done, while no survivor committed.
-        let behind = |r: &Recovering| epoch + 1 == r.epoch && r.ready.iter().all(|x| r.moved.contains(x));
+        // Ready at the epoch before, its move not done, while no process of the old
+        // membership took the change (processes new in it may have: they end with it).
+        let behind = |r: &Recovering| epoch + 1 == r.epoch && !r.committed;
         if !moved && intact && self.recovering.as_ref().is_some_and(behind) && self.may_abandon() {
             // Its move is not done, so the change's last collective completed nowhere:
             // nobody can have committed to it, and the survivors' data is whole.
@@ -412,7 +427,7 @@ impl Ctl {
                 self.give_up(Ending::Reconfig(why));
             }
             None => {
-                if self.left_behind(id, epoch).await {
+                if self.left_behind(id, epoch, moved).await {
                     return;
                 }
                 // Its transport saw a peer fail before the peer's agent said so: kept for
@@ -428,10 +443,10 @@ impl Ctl {
     /// [`GONE_GRACE`] after the failures of `epoch`, the survivors still not ready to
     /// recover from them are told again, as of the epoch before: that notice interrupts
     /// the receives of a switch to `epoch` too, which the first one spared. A survivor
-    /// still there may wait on one that has taken the new group since (the change's last
-    /// collective lost a process, and each process whose move was done took the new
-    /// group: see `Session::complete_change`), or on one stuck in turn; interrupted, each
-    /// takes the new group if its move is done, and is ready at the epoch before if not.
+    /// still there may wait on one that left the change's last collective since (it lost
+    /// a process, and each process whose move was done stopped there: see
+    /// `Session::complete_change`), or on one stuck in turn; interrupted, each is ready
+    /// with its move done (`moved`), or at the epoch before with it not done.
     pub(super) async fn unstick(&mut self, epoch: u64) {
         let Some(r) = self.recovering.as_ref().filter(|r| r.epoch == epoch && !r.waiting.is_empty()) else {
             return;
@@ -479,8 +494,8 @@ impl Ctl {
         self.flight.as_ref().is_some_and(|f| f.switching() && !f.in_background() && !f.is_recovery())
     }
 
-    /// Abandons the change switching, which survivor `first` could not finish before it
-    /// began to move its data: the job's membership is the one before it again (under
+    /// Abandons the change switching, which nobody took (`because` says how that is
+    /// known): the job's membership is the one before it again (under
     /// the change's epoch and number, which are taken: the recovery gets the next, so
     /// none of the change's messages meets it), its new node worlds end (their
     /// processes' exits are no failures), and every survivor recovers from the old
@@ -560,9 +575,10 @@ impl Ctl {
         let epoch = self.state.epoch;
         let all_at_it = self.recovering.as_ref().is_some_and(|r| r.waiting.is_empty() && r.epoch == epoch);
         if all_at_it && self.flight.as_ref().is_some_and(super::InFlight::switching) {
-            // Every survivor committed to the change's membership (see the module's
-            // doc): it switched, even if its report never comes (its new rank 0
-            // failed) or is still on its way. The change completes, then the recovery.
+            // Every survivor took the change's membership or finished its move (see the
+            // module's doc): unless it is abandoned now, it switched, even if its report
+            // never comes (its new rank 0 failed) or is still on its way. The change
+            // completes, then the recovery.
             if self.abandon_loses_less() {
                 // Nobody took the change: it is abandoned, as it loses less data so.
                 self.abandon_change("no process had taken it yet, and the job loses less data without it").await;
@@ -580,8 +596,11 @@ impl Ctl {
             // the others left: their waits in the switch end, and they take it too.
             let leaving: Vec<Rank> = self.flight.as_ref().map(super::InFlight::leavers).unwrap_or_default();
             if let Some(r) = self.recovering.as_ref() {
-                let notice =
-                    ToRank::Failure(Failure { epoch: epoch - 1, failed: r.failed.clone(), why: r.why.join("; ") });
+                let notice = ToRank::Failure(Failure {
+                    epoch: epoch.saturating_sub(1),
+                    failed: r.failed.clone(),
+                    why: r.why.join("; "),
+                });
                 for l in leaving.into_iter().filter(|l| !moved.contains(l)) {
                     if let Some(&a) = self.host.get(&l) {
                         self.send(a, &ToAgent::ToRank(l, notice.clone())).await;

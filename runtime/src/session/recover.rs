@@ -86,8 +86,14 @@ impl Session {
                     // there, or leaves (nothing of it is needed in the recovery).
                     let Some(st) = self.staged.take() else { continue };
                     tracing::debug!("{}: the change to epoch {epoch} switched; taking it", self.endpoint.rank());
-                    if let released @ Checkpoint::Released(_) = self.commit_change(st, None)? {
-                        return Ok(released);
+                    // Without a failure notice, the change's last collective lost only
+                    // processes leaving in it, after their data came: nothing to recover
+                    // from, and the change completes as any does (its new rank 0 says so).
+                    let leavers_only = self.watcher.as_ref().is_some_and(|w| w.failure().is_none());
+                    let cp = self.commit_change(st, leavers_only.then(|| vec![0; 3]))?;
+                    if leavers_only || matches!(cp, Checkpoint::Released(_)) {
+                        self.pending = false;
+                        return Ok(cp);
                     }
                 }
                 // Answers sent before the failure was known, further failures, and the
@@ -120,9 +126,11 @@ impl Session {
         w.recovered();
         // What the interrupted operations of this epoch left queued is for no one now,
         // nor what a change abandoned meanwhile left (the recovery then skips its epoch).
-        let world = super::world_context(epoch);
+        // Also the world of a change taken here just now, which processes that took it
+        // earlier may have used.
+        let worlds = [super::world_context(epoch), super::world_context(self.membership.epoch)];
         let abandoned = epoch + 1..change.after.epoch;
-        let stale = |c| c == world || abandoned.clone().any(|e| super::change_contexts(e).contains(&c));
+        let stale = |c| worlds.contains(&c) || abandoned.clone().any(|e| super::change_contexts(e).contains(&c));
         self.endpoint.mailbox().resume(&stale);
         self.pending = false;
         self.apply_recovery(change, why)
