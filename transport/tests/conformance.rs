@@ -284,6 +284,44 @@ async fn a_dead_peer_is_an_error_not_a_hang(b: Backend) {
     close_all(&eps).await;
 }
 
+async fn a_dead_peer_holds_up_no_other(b: Backend) {
+    // A peer dies while another reads a large window of it: the reader goes on talking
+    // with the third meanwhile, for longer than any backend waits on a silent peer, and
+    // neither takes the other for lost; the get ends by itself. (Over tcp the answer
+    // under way went on after the drop, holding its connection open with nothing more
+    // to send, and the get waited out its timeout.)
+    let mut eps = b.job(3, 1);
+    for (a, z) in [(0usize, 1u32), (1, 0), (1, 2), (2, 1)] {
+        eps[a].send(Rank(z), Context(0), Tag(1), Bytes::from_static(b"hello")).await.unwrap();
+        assert_eq!(eps[z as usize].recv(from(a as u32, 1), T).await.unwrap().payload, &b"hello"[..]);
+    }
+    let n = 64 << 20;
+    let window = eps[0].expose(body(n, 4)).unwrap();
+    let dead = eps.remove(0);
+    let reader = eps[0].clone();
+    let get = tokio::spawn(async move { reader.get(Rank(0), window, 0, n as u64, T).await });
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    drop(dead);
+    let (one, two) = (&eps[0], &eps[1]);
+    let until = std::time::Instant::now() + Duration::from_secs(7);
+    let mut k = 100;
+    while std::time::Instant::now() < until {
+        let m = Bytes::from(format!("ping {k}"));
+        one.send(Rank(2), Context(0), Tag(k), m.clone()).await.unwrap();
+        assert_eq!(two.recv(from(1, k), T).await.unwrap_or_else(|e| panic!("message {k}: {e}")).payload, m);
+        two.send(Rank(1), Context(0), Tag(k), m.clone()).await.unwrap();
+        assert_eq!(one.recv(from(2, k), T).await.unwrap_or_else(|e| panic!("answer {k}: {e}")).payload, m);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        k += 1;
+    }
+    // The get ends: whole if it finished before the peer died, or in an error naming it.
+    match get.await.unwrap() {
+        Ok(got) => check(&got, n, 4),
+        Err(e) => assert!(e.to_string().contains("rank 0") && !matches!(e, TransportError::Timeout { .. }), "{e}"),
+    }
+    close_all(&eps).await;
+}
+
 async fn flushed_messages_outlive_their_sender(b: Backend) {
     // A sender flushes, then dies (dropped without a goodbye) before its peers read a
     // byte: everything it sent still arrives. A send alone completes once the backend
@@ -485,6 +523,7 @@ macro_rules! conformance {
             case!(a_wrong_key_delivers_nothing);
             case!(goodbye_fails_waiting_receives_at_once);
             case!(a_dead_peer_is_an_error_not_a_hang);
+            case!(a_dead_peer_holds_up_no_other);
             case!(flushed_messages_outlive_their_sender);
             case!(gets_read_exact_ranges_of_exposed_windows);
             case!(gets_land_in_place);

@@ -156,11 +156,22 @@ async fn serve_inbound(inner: Arc<Inner>, mut stream: TcpStream, from: SocketAdd
 
 /// The window server: answers the get requests the reader hands over, each in its own
 /// task so a slow requester holds up no other. Runs on tokio, never on the thread of
-/// the application that owns the window.
+/// the application that owns the window. The answers are this task's: they end with
+/// it, when the transport is dropped. (Before, an answer under way went on after the
+/// drop, holding its connection open with nothing more to send, and its requester
+/// waited out its timeout instead of seeing the connection end, as when the process
+/// dies.)
 async fn serve_gets(inner: Arc<Inner>, mut requests: UnboundedReceiver<Served>) {
-    while let Some(served) = requests.recv().await {
-        let inner = inner.clone();
-        tokio::spawn(async move { inner.reply(served).await });
+    let mut replies = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            Some(served) = requests.recv() => {
+                let inner = inner.clone();
+                replies.spawn(async move { inner.reply(served).await });
+            }
+            Some(_) = replies.join_next(), if !replies.is_empty() => {}
+            else => return,
+        }
     }
 }
 
