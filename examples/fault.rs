@@ -15,10 +15,10 @@
 //! process that is rank DIES at step AT exits with code 3 (`none`: no one does; a test
 //! kills a node instead) and the others recover, checking their data (see [`recover`]);
 //! `fault late-exit RANK CODE` makes every rank finalize, then rank RANK exit with CODE
-//! after the others have ended; `fault leave-late KEEP [quiet]` (for a policy that
+//! after the others have ended; `fault leave-late KEEP GO [quiet]` (for a policy that
 //! shrinks to KEEP processes at the first checkpoint) makes every rank from KEEP on
-//! print its pid and wait 60 s before that checkpoint, for a test to kill it as it
-//! leaves (see [`leave_late`]).
+//! print its pid and wait before that checkpoint until file GO exists (60 s at most),
+//! for a test to kill it as it leaves (see [`leave_late`]).
 //! The launcher must
 //! end the job either way (first failing rank's code, or Ctrl-C / `--timeout`), leaving
 //! no process behind.
@@ -57,8 +57,10 @@ fn main() -> anyhow::Result<()> {
         return Ok(session.finalize()?);
     }
     if args.first().map(String::as_str) == Some("leave-late") {
-        let keep: usize = args.get(1).context("fault leave-late KEEP [quiet]")?.parse()?;
-        return leave_late(session, keep, args.get(2).is_some_and(|a| a == "quiet"));
+        let usage = "fault leave-late KEEP GO [quiet]";
+        let keep: usize = args.get(1).context(usage)?.parse()?;
+        let go = std::path::Path::new(args.get(2).context(usage)?);
+        return leave_late(session, (keep, go), args.get(3).is_some_and(|a| a == "quiet"));
     }
     let world = session.world();
     let r = world.rank();
@@ -106,7 +108,7 @@ fn main() -> anyhow::Result<()> {
             world.barrier()?;
         }
         _ => bail!(
-            "usage: fault exit RANK CODE | fault hang | fault chatter | fault signals | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS | fault recover DIES AT STEPS PAUSE_MS [ELEMENTS] | fault late-exit RANK CODE | fault leave-late KEEP [quiet]"
+            "usage: fault exit RANK CODE | fault hang | fault chatter | fault signals | fault leave-crash CODE | fault join-crash CODE | fault join-exit FILE CODE [background] | fault join-slow FILE MS | fault recover DIES AT STEPS PAUSE_MS [ELEMENTS] | fault late-exit RANK CODE | fault leave-late KEEP GO [quiet]"
         ),
     }
     session.finalize()?;
@@ -309,13 +311,14 @@ fn late_exit(args: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `leave-late KEEP [quiet]`: every process first sends every other one a value, so
+/// `leave-late KEEP GO [quiet]`: every process first sends every other one a value, so
 /// that each has heard from each and its transport sees any of them end (not with
 /// `quiet`: then none has heard from any). Ranks from KEEP on then print their pid and
-/// wait 60 s before the first checkpoint, where the shrink to KEEP waits for them: a
-/// test kills one of them there, before it has handed anything over. The others finish
-/// the shrink and end well, if they can.
-fn leave_late(mut session: ductile::Session, keep: usize, quiet: bool) -> anyhow::Result<()> {
+/// wait before the first checkpoint until file GO exists (60 s at most), while the
+/// shrink to KEEP waits for them there: a test kills one of them, before it has handed
+/// anything over, and then lets the others go on. They finish the shrink, or recover
+/// from it, and end well, if they can.
+fn leave_late(mut session: ductile::Session, (keep, go): (usize, &std::path::Path), quiet: bool) -> anyhow::Result<()> {
     let world = session.world();
     let r = world.rank();
     if !quiet {
@@ -328,10 +331,17 @@ fn leave_late(mut session: ductile::Session, keep: usize, quiet: bool) -> anyhow
     }
     if r >= keep {
         println!("leave-late: rank {r} pid {} waits", std::process::id());
-        std::thread::sleep(std::time::Duration::from_secs(60));
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !go.exists() && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
-    if let ductile::Checkpoint::Resized(_) = session.checkpoint()? {
-        println!("leave-late: rank {r} resized");
+    match session.checkpoint()? {
+        ductile::Checkpoint::Resized(_) => println!("leave-late: rank {r} resized"),
+        ductile::Checkpoint::Recovered(_) => {
+            println!("leave-late: rank {r} recovered as rank {} of {}", session.world().rank(), session.world().size());
+        }
+        _ => {}
     }
     Ok(session.finalize()?)
 }

@@ -211,6 +211,16 @@ enum Event {
     Unstick {
         epoch: u64,
     },
+    /// Processes leaving in the shrink to `epoch` ended badly before it switched, a
+    /// while ago: those whose move is done take it (see `recovery::Ctl::settle_held`).
+    Settle {
+        epoch: u64,
+    },
+    /// The recovery at `epoch` asked the leavers of the change switching where they are,
+    /// a grace ago (see `recovery::Ctl::ask_leavers`).
+    Asked {
+        epoch: u64,
+    },
 }
 
 /// Why the job ended early.
@@ -269,10 +279,9 @@ pub(crate) struct Ctl {
     /// Survivors that said they were ready to recover before the controller learnt of
     /// the failure (their transport saw the failed peer first).
     early_ready: Vec<recovery::Ready>,
-    /// A process that left badly in a shrink (`--on-failure shrink`): how the job ends
-    /// if a process that stays could not finish its switch without it, and the epoch
-    /// that shrink switched to (see `recovery::Ctl::left_behind`).
-    left_badly: Option<(Ending, u64)>,
+    /// Processes that left badly in a shrink (`--on-failure shrink`; see
+    /// `recovery::Ctl::left_behind`).
+    left_badly: Option<recovery::LeftBadly>,
     /// Processes that finalized (they take part in no recovery).
     finalized: HashSet<Rank>,
     /// The job's first membership went out: processes can recover from failures.
@@ -752,7 +761,8 @@ impl Ctl {
                         let node = self.agents[a].node;
                         let why = format!("{node}, whose processes left in a shrink, was lost ({why})");
                         crate::say_errln!("ductile: {why}; they were leaving anyway (--on-failure shrink)");
-                        self.left_badly(unfinished, why.clone(), Ending::Reconfig(why)).await;
+                        let lost = (why.clone(), Some(node));
+                        self.left_badly(unfinished, lost, Ending::Reconfig(why)).await;
                     }
                     self.after_exit().await;
                     return;
@@ -810,6 +820,8 @@ impl Ctl {
             }
             Event::Gone { seq, ids, why } => self.tell_gone(seq, ids, why).await,
             Event::Unstick { epoch } => self.unstick(epoch).await,
+            Event::Settle { epoch } => self.settle_held(epoch, true).await,
+            Event::Asked { epoch } => self.asked_expired(epoch).await,
         }
     }
 

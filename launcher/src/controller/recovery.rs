@@ -39,10 +39,15 @@
 //! in a change that is abandoned is ended with it, even if it took the change. A
 //! survivor whose data was not kept whole (a move in the background) ends the job.
 //!
+//! A process leaving in a shrink that ends badly before the shrink switched was leaving
+//! anyway, and is no failure, unless another could not finish its move without it:
+//! then nobody took the shrink, which is abandoned, and the job recovers without it from
+//! the membership before (see [`Ctl::left_behind`]).
+//!
 //! The job also ends when it cannot recover: no survivor left, a failure while a
 //! change's data moves in the background, a process that could not finish a shrink's
-//! switch because one that left in it ended badly (see [`Ctl::left_behind`]), or
-//! survivors that do not reach a checkpoint within the wait timeout.
+//! switch because one that left in it ended badly when the shrink could not be
+//! abandoned, or survivors that do not reach a checkpoint within the wait timeout.
 
 use super::{Ctl, Ending, OnFailure};
 use crate::proto::ToAgent;
@@ -59,6 +64,28 @@ use std::time::{Duration, Instant};
 /// fails no receive that was to get it.
 const GONE_GRACE: Duration = Duration::from_secs(2);
 
+/// How long after processes leaving in a shrink end badly, before it has switched, the
+/// processes whose move is done are told to take it, unless every process of the change
+/// has said so before. Meanwhile a process whose move is not done (the leavers' data was
+/// for it) says so, at the latest once it is told they are gone ([`GONE_GRACE`]), and
+/// the change is abandoned instead (see [`Ctl::left_behind`]).
+const SETTLE_AFTER: Duration = Duration::from_secs(4);
+
+/// Processes that left badly in a shrink that had not switched (`--on-failure shrink`).
+pub struct LeftBadly {
+    /// How the job ends if it cannot go on without them.
+    ending: Ending,
+    /// The epoch the shrink switches to.
+    epoch: u64,
+    /// The processes, and why they ended.
+    ids: Vec<Rank>,
+    why: Vec<String>,
+    /// Nodes lost with their agents, with processes among them.
+    lost: Vec<NodeId>,
+    /// [`SETTLE_AFTER`] has passed: a process whose move is done takes the change at once.
+    settled: bool,
+}
+
 /// A survivor's word that it is ready to recover ([`ductile::bootstrap::FromRank::Recover`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Ready {
@@ -72,6 +99,16 @@ pub struct Ready {
     /// Its move in the change switching is done and it waits to take the change or
     /// leave it: it is ready at either epoch.
     pub moved: bool,
+}
+
+/// Whether a recovery asked the leavers of the change switching where they are.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Asked {
+    No,
+    /// Their answers are awaited.
+    Waiting,
+    /// [`GONE_GRACE`] has passed since.
+    Expired,
 }
 
 /// A recovery waiting for its survivors.
@@ -88,6 +125,9 @@ pub struct Recovering {
     moved: HashSet<Rank>,
     /// A process of the membership before that change took it: it cannot be abandoned.
     committed: bool,
+    /// Whether the change's leavers not heard from were asked where they are (see
+    /// [`Ctl::ask_leavers`]).
+    asked: Asked,
     /// The failed processes, in the order they failed.
     failed: Vec<Rank>,
     /// Why, one entry per failure.
@@ -133,27 +173,49 @@ impl Ctl {
     pub(super) async fn leaving_ends(&mut self, id: Rank, who: String, node: NodeId, exit: crate::proto::Exit) {
         crate::say_errln!("ductile: {who}, leaving in a shrink, {exit}; it was leaving anyway (--on-failure shrink)");
         let ending = Ending::Rank(format!("{who}, while leaving in a shrink,"), node, exit);
-        self.left_badly(vec![id], format!("{who}, leaving in a shrink, {exit}"), ending).await;
+        self.left_badly(vec![id], (format!("{who}, leaving in a shrink, {exit}"), None), ending).await;
     }
 
-    /// Processes `ids`, leaving in the shrink under way, ended badly (`why`; `ending`
-    /// if the job ends for it). If the shrink has not switched yet, the others are told
-    /// after [`GONE_GRACE`], so that none waits for them (see `reconfig::Ctl::tell_gone`);
-    /// the processes that already failed their switch for them (they said they were
-    /// ready to recover before the controller knew of any failure) are dealt with now.
-    pub(super) async fn left_badly(&mut self, ids: Vec<Rank>, why: String, ending: Ending) {
+    /// Processes `ids`, leaving in the shrink under way, ended badly (`why`, with their
+    /// node if it was `lost`; `ending` if the job ends for it). If the shrink has not
+    /// switched yet, the others are told after [`GONE_GRACE`], so that none waits for
+    /// them (see `reconfig::Ctl::tell_gone`); the processes that already failed their
+    /// switch for them (they said they were ready to recover before the controller knew
+    /// of any failure) are dealt with now.
+    pub(super) async fn left_badly(&mut self, ids: Vec<Rank>, (why, lost): (String, Option<NodeId>), ending: Ending) {
         let epoch = self.state.epoch;
-        if self.left_badly.as_ref().is_none_or(|l| l.1 < epoch) {
-            self.left_badly = Some((ending, epoch));
+        match self.left_badly.as_mut().filter(|l| l.epoch == epoch) {
+            Some(l) => {
+                for &r in &ids {
+                    if !l.ids.contains(&r) {
+                        l.ids.push(r);
+                    }
+                }
+                l.why.push(why.clone());
+                l.lost.extend(lost);
+            }
+            None => {
+                let why = vec![why.clone()];
+                let lost = lost.into_iter().collect();
+                self.left_badly = Some(LeftBadly { ending, epoch, ids: ids.clone(), why, lost, settled: false });
+                let events = self.events.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(SETTLE_AFTER).await;
+                    let _ = events.send(super::Event::Settle { epoch });
+                });
+            }
         }
         self.announce_gone(ids, why);
-        let stale: Vec<(Rank, u64, bool)> =
-            self.early_ready.iter().filter(|e| e.epoch < epoch).map(|e| (e.id, e.epoch, e.moved)).collect();
-        for (id, at, moved) in stale {
-            if self.left_behind(id, at, moved).await && self.ending.is_some() {
+        let stale: Vec<Ready> = self.early_ready.iter().filter(|e| e.epoch < epoch).copied().collect();
+        // One whose move is not done decides for all (see `left_behind`).
+        let (mut first, rest): (Vec<Ready>, Vec<Ready>) = stale.into_iter().partition(|e| !e.moved);
+        first.extend(rest);
+        for e in first {
+            if self.left_behind(e).await && (self.ending.is_some() || self.recovering.is_some()) {
                 return;
             }
         }
+        self.settle_held(epoch, false).await;
     }
 
     /// Tells the processes of the shrink under way, after [`GONE_GRACE`], that `ids` are
@@ -168,30 +230,53 @@ impl Ctl {
         }
     }
 
-    /// Process `id` says it is ready to recover at `epoch` while the controller knows of
-    /// no failure. If a process left badly in a shrink to a later epoch, `id` failed its
-    /// switch to that epoch, or an earlier one, for it: no recovery can follow, as from
-    /// any failure while processes switch. A process that stays then ends the job, as the
-    /// one that left would have ended it without `--on-failure shrink`; one that was
-    /// leaving too is ended now (nothing waits for it to finish, and a process that stays
-    /// and waited on it then fails in turn). True if so; false if `id` waits for a
-    /// failure the controller has not heard of yet.
+    /// Process `e.id` says it is ready to recover at `e.epoch` while the controller
+    /// knows of no failure. If processes left badly in a shrink to a later epoch, `id`
+    /// failed its switch to that epoch, or an earlier one, for them. True if so; false if
+    /// `id` waits for a failure the controller has not heard of yet.
     ///
-    /// Before, such a process waited for a recovery that never came, and the processes
-    /// blocked on it with it, until their timeout (`ductile run --timeout`, or the wait
-    /// timeout of a switch): a process killed as it left, in one shrink out of a few,
-    /// hung the job.
+    /// - Its move was not done, its data of the epoch before is whole, and the shrink may
+    ///   be abandoned (it is a change in the foreground; see [`Ctl::may_abandon`]): the
+    ///   change's last collective completed nowhere, and nobody took it. The processes
+    ///   that left badly are failures then: the change is abandoned, and the job
+    ///   recovers without them from the membership before it ([`Ctl::recover_from_leavers`]).
+    ///   Their old blocks are lost; those of the others, leavers too, are whole.
+    /// - Its move was done (`moved`: the change's last collective lost the leavers): it
+    ///   takes the change ([`ToRank::Settled`]), as they were leaving anyway, once no
+    ///   process that is still moving can say so: when every process of the change still
+    ///   running has said its move was done, or [`SETTLE_AFTER`] after they left (see
+    ///   [`Ctl::settle_held`]). Meanwhile it waits.
+    /// - Otherwise no recovery can follow, as from any failure while processes switch.
+    ///   A process that stays then ends the job, as the one that left would have ended
+    ///   it without `--on-failure shrink`; one that was leaving too is ended now
+    ///   (nothing waits for it to finish, and a process that stays and waited on it
+    ///   then fails in turn).
     ///
-    /// One whose move was done (`moved`: the change's last collective lost the leavers,
-    /// after they handed it their data) takes the change instead ([`ToRank::Settled`]):
-    /// they were leaving anyway.
-    async fn left_behind(&mut self, id: Rank, epoch: u64, moved: bool) -> bool {
-        let Some(to) = self.left_badly.as_ref().map(|l| l.1).filter(|&to| epoch < to) else { return false };
-        self.early_ready.retain(|e| e.id != id);
-        if moved && epoch + 1 == to {
-            tracing::debug!("{id}'s move to epoch {to} was done when processes left badly: it takes the change");
-            if let Some(&a) = self.host.get(&id) {
-                self.send(a, &ToAgent::ToRank(id, ToRank::Settled { epoch: to })).await;
+    /// Before, every such process waited for a recovery that never came, and the
+    /// processes blocked on it with it, until their timeout (`ductile run --timeout`, or
+    /// the wait timeout of a switch): a process killed as it left, in one shrink out of a
+    /// few, hung the job. Later, the job ended: every shrink whose leaver died before its
+    /// data was handed over.
+    async fn left_behind(&mut self, e: Ready) -> bool {
+        let Some(l) = self.left_badly.as_ref().filter(|l| e.epoch < l.epoch) else { return false };
+        let (to, settled) = (l.epoch, l.settled);
+        let id = e.id;
+        self.early_ready.retain(|x| x.id != id);
+        if !e.moved && e.intact && e.epoch + 1 == to && self.recovering.is_none() && self.may_abandon() {
+            self.early_ready.push(e);
+            self.recover_from_leavers().await;
+            return true;
+        }
+        if e.moved && e.epoch + 1 == to {
+            if settled || !self.may_abandon() {
+                tracing::debug!("{id}'s move to epoch {to} was done when processes left badly: it takes the change");
+                if let Some(&a) = self.host.get(&id) {
+                    self.send(a, &ToAgent::ToRank(id, ToRank::Settled { epoch: to })).await;
+                }
+            } else {
+                tracing::debug!("{id}'s move to epoch {to} was done when processes left badly: it waits");
+                self.early_ready.push(e);
+                self.settle_held(to, false).await;
             }
             return true;
         }
@@ -207,10 +292,57 @@ impl Ctl {
             "ductile: {} could not switch to epoch {to} without the processes that left; the job cannot recover",
             self.who(id)
         );
-        if let Some((ending, _)) = self.left_badly.take() {
-            self.give_up(ending);
+        if let Some(l) = self.left_badly.take() {
+            self.give_up(l.ending);
         }
         true
+    }
+
+    /// The processes whose move in the shrink to `epoch` was done when processes leaving
+    /// in it ended badly take it ([`ToRank::Settled`]): when [`SETTLE_AFTER`] has passed
+    /// (`due`), or every process of the change still running is among them, so none can
+    /// say its move was not done.
+    pub(super) async fn settle_held(&mut self, epoch: u64, due: bool) {
+        let Some(l) = self.left_badly.as_mut().filter(|l| l.epoch == epoch) else { return };
+        let held = |e: &Ready| e.moved && e.epoch + 1 == epoch;
+        let running = |x: &Rank| self.agents.iter().any(|a| a.live.contains(x));
+        let all = self.flight.as_ref().is_some_and(|f| {
+            let members = f.members_before().iter().chain(self.state.ranks.iter());
+            members.filter(|x| running(x)).all(|x| self.early_ready.iter().any(|e| e.id == *x && held(e)))
+        });
+        if !due && !all {
+            return;
+        }
+        l.settled = true;
+        let (now, later): (Vec<Ready>, Vec<Ready>) = self.early_ready.drain(..).partition(held);
+        self.early_ready = later;
+        for e in now {
+            tracing::debug!("{}'s move to epoch {epoch} was done when processes left badly: it takes the change", e.id);
+            if let Some(&a) = self.host.get(&e.id) {
+                self.send(a, &ToAgent::ToRank(e.id, ToRank::Settled { epoch })).await;
+            }
+        }
+    }
+
+    /// Processes that left badly in the shrink switching are failures after all: a
+    /// process whose move was not done said so, so nobody took the shrink, and it is
+    /// abandoned (see [`Ctl::left_behind`]). The job recovers without them from the
+    /// membership before it.
+    async fn recover_from_leavers(&mut self) {
+        let Some(l) = self.left_badly.take() else { return };
+        let why = l.why.join("; ");
+        tracing::info!("{why}: the shrink under way cannot finish; it is abandoned");
+        self.begin_recovery(&l.ids, l.ending);
+        let Some(r) = self.recovering.as_mut() else { return };
+        for &x in &l.ids {
+            if !r.failed.contains(&x) {
+                r.failed.push(x);
+            }
+        }
+        r.why.push(why);
+        r.lost_nodes.extend(l.lost);
+        let early = std::mem::take(&mut self.early_ready);
+        self.take_early(early).await;
     }
 
     /// Why the job cannot recover from the failure of `ids`, if it cannot.
@@ -271,38 +403,47 @@ impl Ctl {
         self.recovering.take().map(|r| r.first)
     }
 
+    /// Starts a recovery from the failure of `members` (`ending`: how the job ends if
+    /// it cannot recover), unless one is under way.
+    fn begin_recovery(&mut self, members: &[Rank], ending: Ending) {
+        if self.recovering.is_some() {
+            return;
+        }
+        let events = self.events.clone();
+        let epoch = self.state.epoch;
+        tokio::spawn(async move {
+            tokio::time::sleep(GONE_GRACE).await;
+            let _ = events.send(super::Event::Unstick { epoch });
+        });
+        let waiting = self.survivors(members, &[]).into_iter().collect();
+        self.recovering = Some(Recovering {
+            epoch: self.state.epoch,
+            abandoned: false,
+            ready: HashSet::new(),
+            moved: HashSet::new(),
+            committed: false,
+            asked: Asked::No,
+            failed: Vec::new(),
+            why: Vec::new(),
+            first: ending,
+            lost_nodes: Vec::new(),
+            waiting,
+            count: 0,
+            deadline: Instant::now() + self.wait_timeout,
+            t_start: Instant::now(),
+        });
+    }
+
     async fn recover_from(&mut self, ids: &[Rank], why: String, lost: Option<NodeId>, ending: Ending) {
         let members: Vec<Rank> = ids.iter().copied().filter(|r| self.state.ranks.contains(r)).collect();
-        if self.recovering.is_none() {
-            let events = self.events.clone();
-            let epoch = self.state.epoch;
-            tokio::spawn(async move {
-                tokio::time::sleep(GONE_GRACE).await;
-                let _ = events.send(super::Event::Unstick { epoch });
-            });
-            let waiting = self.survivors(&members, &[]).into_iter().collect();
-            self.recovering = Some(Recovering {
-                epoch: self.state.epoch,
-                abandoned: false,
-                ready: HashSet::new(),
-                moved: HashSet::new(),
-                committed: false,
-                failed: Vec::new(),
-                why: Vec::new(),
-                first: ending,
-                lost_nodes: Vec::new(),
-                waiting,
-                count: 0,
-                deadline: Instant::now() + self.wait_timeout,
-                t_start: Instant::now(),
-            });
-        }
+        self.begin_recovery(&members, ending);
         let Some(r) = self.recovering.as_mut() else { return };
         // Survivors whose transports saw the failure before this controller did (those
         // ready at the epoch before, if any, are taken once the failure is known).
         let early = std::mem::take(&mut self.early_ready);
         let took = |e: &Ready| !e.moved && self.flight.as_ref().is_some_and(|f| f.switching() && f.was_member(e.id));
-        for e in early.iter().filter(|e| e.epoch == r.epoch) {
+        let (current, before): (Vec<Ready>, Vec<Ready>) = early.into_iter().partition(|e| e.epoch == r.epoch);
+        for e in &current {
             // One of the old membership at the new epoch took the change.
             r.committed |= took(e) && e.epoch == self.state.epoch;
             r.waiting.remove(&e.id);
@@ -349,9 +490,20 @@ impl Ctl {
             // abandoned, and the recovery follows once its node worlds are ended.
             self.fail_growth(format!("{why_first} meanwhile")).await;
         }
-        // Those ready at the epoch before: the first abandons the change switching, if
-        // it may be, and the others then count as the rest will.
-        for e in early.into_iter().filter(|e| e.epoch + 1 == epoch) {
+        self.take_early(before).await;
+    }
+
+    /// The reports of survivors ready at the epoch before the recovery's, which came
+    /// before it began (others are dropped): one whose move was not done abandons the
+    /// change switching, if it may be, and the others then count as the rest will. Those
+    /// whose move was not done go first, so that none whose move was done, counted
+    /// first, completes the recovery in the change's membership.
+    async fn take_early(&mut self, early: Vec<Ready>) {
+        let Some(epoch) = self.recovering.as_ref().map(|r| r.epoch) else { return };
+        let (mut first, rest): (Vec<Ready>, Vec<Ready>) =
+            early.into_iter().filter(|e| e.epoch + 1 == epoch).partition(|e| !e.moved);
+        first.extend(rest);
+        for e in first {
             if self.recovering.is_some() {
                 Box::pin(self.on_recover(e)).await;
             }
@@ -427,7 +579,7 @@ impl Ctl {
                 self.give_up(Ending::Reconfig(why));
             }
             None => {
-                if self.left_behind(id, epoch, moved).await {
+                if self.left_behind(e).await {
                     return;
                 }
                 // Its transport saw a peer fail before the peer's agent said so: kept for
@@ -472,20 +624,78 @@ impl Ctl {
     /// process failing loses nothing if the growth is abandoned, a quarter if it is not;
     /// an old one fails: half, against a quarter (and against three quarters if the new
     /// processes, which could not finish without it, failed too).
-    fn abandon_loses_less(&self) -> bool {
+    ///
+    /// A leaver not heard from may have taken the change and gone, its old blocks with
+    /// it: then the change is followed, unless `unheard_moved` (what it would lose if
+    /// those leavers are heard from, moved).
+    fn abandon_loses_less(&self, unheard_moved: bool) -> bool {
         let (Some(r), Some(f)) = (self.recovering.as_ref(), self.flight.as_ref()) else { return false };
         if r.committed || !self.may_abandon() {
             return false;
         }
         let running = |x: &Rank| self.agents.iter().any(|a| a.live.contains(x));
         let failed = |x: &&Rank| r.failed.contains(x) || !running(x);
-        // A leaver not heard from may have taken the change, and gone.
-        if f.leavers().iter().any(|l| !failed(&l) && !r.moved.contains(l)) {
+        if !unheard_moved && f.leavers().iter().any(|l| !failed(&l) && !r.moved.contains(l)) {
             return false;
         }
         let (old, new) = (f.members_before(), &self.state.ranks);
         let (lost_old, lost_new) = (old.iter().filter(failed).count(), new.iter().filter(failed).count());
         lost_old * new.len() < lost_new * old.len()
+    }
+
+    /// Every survivor finished its move in the change switching, and abandoning it would
+    /// lose less data, but leavers of the change that still run have not been heard
+    /// from: each may wait in the change's last collective, or have taken it, and then
+    /// its old blocks are gone. They are asked once: the notice of the failure, as of the
+    /// epoch before, ends their waits in the switch, and each says it is ready, its move
+    /// done (or not: the change is abandoned then). Until each has, or [`GONE_GRACE`] has
+    /// passed (those that took the change then count as failed, if they have ended, or
+    /// the change is followed), the recovery waits. True if it waits.
+    ///
+    /// Before, the change was followed at once: a stayer of a shrink 4 -> 2 failing in
+    /// its move lost half the data, where abandoning lost a quarter.
+    async fn ask_leavers(&mut self) -> bool {
+        let (Some(r), Some(f)) = (self.recovering.as_ref(), self.flight.as_ref()) else { return false };
+        let running = |x: &Rank| self.agents.iter().any(|a| a.live.contains(x));
+        let unheard: Vec<Rank> =
+            f.leavers().into_iter().filter(|l| !r.failed.contains(l) && running(l) && !r.moved.contains(l)).collect();
+        if unheard.is_empty() || r.asked == Asked::Expired || !self.abandon_loses_less(true) {
+            return false;
+        }
+        if r.asked == Asked::Waiting {
+            return true;
+        }
+        let notice = ToRank::Failure(Failure {
+            epoch: r.epoch.saturating_sub(1),
+            failed: r.failed.clone(),
+            why: r.why.join("; "),
+        });
+        let epoch = r.epoch;
+        tracing::info!("leavers {unheard:?} of the change to epoch {epoch} are asked where they are");
+        for l in unheard {
+            if let Some(&a) = self.host.get(&l) {
+                self.send(a, &ToAgent::ToRank(l, notice.clone())).await;
+            }
+        }
+        if let Some(r) = self.recovering.as_mut() {
+            r.asked = Asked::Waiting;
+        }
+        let events = self.events.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(GONE_GRACE).await;
+            let _ = events.send(super::Event::Asked { epoch });
+        });
+        true
+    }
+
+    /// [`GONE_GRACE`] after the recovery at `epoch` asked leavers where they are: it
+    /// decides without those not heard from.
+    pub(super) async fn asked_expired(&mut self, epoch: u64) {
+        let Some(r) = self.recovering.as_mut().filter(|r| r.epoch == epoch && r.asked == Asked::Waiting) else {
+            return;
+        };
+        r.asked = Asked::Expired;
+        self.recovered_all().await;
     }
 
     /// Whether the change under way may be abandoned for a recovery at the epoch before
@@ -579,7 +789,10 @@ impl Ctl {
             // module's doc): unless it is abandoned now, it switched, even if its report
             // never comes (its new rank 0 failed) or is still on its way. The change
             // completes, then the recovery.
-            if self.abandon_loses_less() {
+            if self.ask_leavers().await {
+                return;
+            }
+            if self.abandon_loses_less(false) {
                 // Nobody took the change: it is abandoned, as it loses less data so.
                 self.abandon_change("no process had taken it yet, and the job loses less data without it").await;
                 return Box::pin(self.recovered_all()).await;
