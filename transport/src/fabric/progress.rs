@@ -124,8 +124,13 @@ impl Inner {
                 self.ops.recv.release(slot);
                 continue;
             }
+            // A cancelled operation failed too: ours (a bulk chunk's receive from a peer
+            // that ended, whose transfer counts it done so), or the provider's (rxm
+            // cancels the sends to a peer whose connection failed). Before, it was
+            // dropped: a send's waiter took it for this endpoint closed (a survivor of
+            // a growth whose new process died in the move failed its checkpoint, 1 job
+            // of 12 over tcp;ofi_rxm), and a chunk's transfer never completed.
             match self.ops.take(e.context) {
-                Some(op) if e.code == super::sys::FI_ECANCELED as i32 => drop(op),
                 Some(op) => self.failed(op, e.text),
                 None => tracing::warn!("{}: an operation failed: {}", self.me.rank, e.text),
             }
