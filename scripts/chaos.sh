@@ -5,7 +5,8 @@
 # or one time in four a node's agent); with `-m leaving`, a process as it leaves in a
 # shrink. Every job must end before its --timeout (no hang), with the checksum of a
 # fixed-size run if it ends well, and leave none of its processes and no shared-memory
-# region behind. One line per job; exits 1 if any job broke a rule.
+# region behind. One line per job (and what the launcher said of a job slower than
+# 25 s); exits 1 if any job broke a rule.
 #
 #   scripts/chaos.sh [-n JOBS] [-t tcp|quic|fabric] [-m random|leaving] [-d MAX_DELAY_S]
 #
@@ -105,6 +106,11 @@ for i in $(seq "$jobs"); do
     if [ "$verdict" = ok ] && [ "$rc" != 0 ]; then
         # Why the job could not recover, as the launcher said it.
         grep -m1 'cannot recover' "$log" | sed 's/^/    /' || true
+    fi
+    if [ "$verdict" = ok ] && [ "$took" -gt 25000 ]; then
+        # Slow (a wait ran out somewhere): what the launcher said.
+        echo "    slow; the launcher said:"
+        grep '^ductile:' "$log" | grep -v 'control socket\|reconfigurations of job' | tail -6 | sed 's/^/      /'
     fi
     if [ "$verdict" != ok ]; then
         bad=1

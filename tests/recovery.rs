@@ -597,37 +597,55 @@ fn a_failure_while_data_moves_in_the_background_ends_the_job_with_its_code() {
 
 #[test]
 fn a_failure_while_a_growth_starts_abandons_the_growth_and_recovers() {
-    let report = tmp("recover-growing");
-    // Growths take 6 s to start their node worlds: the kill, found by polling status
-    // calls, lands in that window even on a loaded machine.
-    let w =
-        Watched::start("-n 4 --nodes 2 --max-nodes 3", &report, "60 50", &[("DUCTILE_TEST_SPAWN_DELAY_MS", "6000")]);
-    // Queued at once, the growth starts at the next checkpoint.
-    let mut resize = ductile(&["resize", &w.id, "--nodes", "3", "--wait", "60"]);
-    let mut resize = Running(resize.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
-    let answer = lines_of(resize.0.stderr.take().unwrap());
-    // Once the growth is starting, rank 2 is killed.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let line = loop {
-        let text = String::from_utf8_lossy(&run(&["status", &w.id]).stdout).into_owned();
-        if text.contains("a change is under way") {
-            break text.lines().find(|l| l.trim_start().starts_with("node 1 ")).unwrap().to_string();
-        }
-        assert!(Instant::now() < deadline, "no growth under way: {text}");
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let pids = line.split("(pids ").nth(1).unwrap().split(')').next().unwrap();
-    let rank2: i32 = pids.split(", ").next().unwrap().parse().unwrap();
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(rank2), nix::sys::signal::Signal::SIGKILL).unwrap();
-    let recovered = w.recovered("[2]", 3);
-    assert!(recovered.contains("of 4 failed (rank 2 on node 1 was killed by signal 9)"), "{recovered}");
-    wait_with_timeout(&mut resize.0, Duration::from_secs(30));
-    let answer = drain(&answer);
-    assert!(answer.iter().any(|l| l.contains("failed before the switch")), "{answer:?}");
-    assert_no_survivors(&report);
-    let report = read_report(&report);
-    failure_shrink(&report);
-    assert_eq!(report["failed_growths"].as_array().map(Vec::len), Some(1), "{report:#}");
+    // Rank 2 is killed; then node 1's agent, which was to start a node world of the
+    // growth itself (before, the growth waited out its deadline, 60 s, for that agent's
+    // report, and the recovery with it).
+    for agent in [false, true] {
+        let report = tmp("recover-growing");
+        // Growths take 6 s to start their node worlds: the kill, found by polling status
+        // calls, lands in that window even on a loaded machine.
+        let env = [("DUCTILE_TEST_SPAWN_DELAY_MS", "6000")];
+        let w = Watched::start("-n 4 --nodes 2 --max-nodes 6", &report, "60 50", &env);
+        // Queued at once, the growth starts at the next checkpoint: 2 -> 6 nodes, whose
+        // new node worlds both old agents start.
+        let mut resize = ductile(&["resize", &w.id, "--nodes", "6", "--wait", "60"]);
+        let mut resize = Running(resize.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
+        let answer = lines_of(resize.0.stderr.take().unwrap());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let line = loop {
+            let text = String::from_utf8_lossy(&run(&["status", &w.id]).stdout).into_owned();
+            if text.contains("a change is under way") {
+                break text.lines().find(|l| l.trim_start().starts_with("node 1 ")).unwrap().to_string();
+            }
+            assert!(Instant::now() < deadline, "no growth under way: {text}");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        // `  node 1 (agent pid N): ... (pids A, B)`
+        let victim: i32 = if agent {
+            line.split("agent pid ").nth(1).and_then(|p| p.split(')').next()).unwrap().parse().unwrap()
+        } else {
+            line.split("(pids ").nth(1).unwrap().split(')').next().unwrap().split(", ").next().unwrap().parse().unwrap()
+        };
+        let killed = Instant::now();
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim), nix::sys::signal::Signal::SIGKILL).unwrap();
+        let recovered = w.recovered(if agent { "[2, 3]" } else { "[2]" }, if agent { 2 } else { 3 });
+        let took = killed.elapsed();
+        let why = if agent {
+            "of 4 failed (node 1 was lost"
+        } else {
+            "of 4 failed (rank 2 on node 1 was killed by signal 9)"
+        };
+        assert!(recovered.contains(why), "{recovered}");
+        // The growth's 6 s, the rest of the job's steps, and room for a loaded machine.
+        assert!(took < Duration::from_secs(40), "agent {agent}: took {took:?}");
+        wait_with_timeout(&mut resize.0, Duration::from_secs(30));
+        let answer = drain(&answer);
+        assert!(answer.iter().any(|l| l.contains("failed before the switch")), "{answer:?}");
+        assert_no_survivors(&report);
+        let report = read_report(&report);
+        failure_shrink(&report);
+        assert_eq!(report["failed_growths"].as_array().map(Vec::len), Some(1), "{report:#}");
+    }
 }
 
 #[test]

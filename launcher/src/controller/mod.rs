@@ -780,6 +780,7 @@ impl Ctl {
                 };
                 let live: Vec<Rank> = self.agents[a].live.iter().copied().collect();
                 let lost = format!("{node} was lost ({why})");
+                self.spawner_lost(a, &lost);
                 if self.on_failure(&live, lost, Some(node), Ending::Node(node, why)).await {
                     // Its processes are taken as gone with it. Locally they are: they end
                     // with their agent. On another host, an agent cut off from the
@@ -869,7 +870,7 @@ impl Ctl {
                     self.ending = Some(Ending::Node(self.agents[a].node, why));
                 }
             }
-            FromAgent::GrowthReport { seq, result } => self.on_growth_report(seq, result).await,
+            FromAgent::GrowthReport { seq, result } => self.on_growth_report(a, seq, result).await,
             // `watch` passes output to the printer itself.
             FromAgent::Output(..) => tracing::debug!("output reached the event loop"),
             FromAgent::Done => {

@@ -56,9 +56,17 @@ pub struct Deferred {
 }
 
 enum Phase {
-    Spawning { pending: usize, started: Vec<NodeStarted>, plan: SpawnPlan, orders: GrowOrders },
+    /// `pending`: the agents given orders that have not reported yet.
+    Spawning {
+        pending: HashSet<usize>,
+        started: Vec<NodeStarted>,
+        plan: SpawnPlan,
+        orders: GrowOrders,
+    },
     Switching,
-    Releasing { ended: bool },
+    Releasing {
+        ended: bool,
+    },
 }
 
 /// The change under way.
@@ -449,11 +457,11 @@ impl Ctl {
         f.grow = Some((plan.method, plan.strategy, plan.step_count()));
         f.added_nodes = orders.group_nodes.iter().map(|n| n.0).collect();
         f.deadline = Instant::now() + self.fence_limit;
-        let pending = per_agent.len();
+        let pending: HashSet<usize> = per_agent.keys().copied().collect();
         let (mode, root, seq) = (f.mode, f.root, f.seq);
+        tracing::debug!("growth: orders to {} agents", pending.len());
         f.phase = Phase::Spawning { pending, started: Vec::new(), plan, orders };
         self.flight = Some(f);
-        tracing::debug!("growth: orders to {pending} agents");
         for (a, o) in per_agent {
             self.send(a, &ToAgent::Grow { seq, orders: o }).await;
         }
@@ -497,7 +505,7 @@ impl Ctl {
     }
 
     /// A spawning agent's report on the node worlds of growth `seq`.
-    pub(super) async fn on_growth_report(&mut self, seq: u32, result: Result<Vec<NodeStarted>, String>) {
+    pub(super) async fn on_growth_report(&mut self, a: usize, seq: u32, result: Result<Vec<NodeStarted>, String>) {
         let Some(f) = self.flight.as_ref().filter(|f| f.seq == seq && matches!(f.phase, Phase::Spawning { .. })) else {
             // A growth given up at its deadline, reported late: nothing of it is left.
             let what = result.as_ref().map_or_else(Clone::clone, |n| format!("{} node worlds up", n.len()));
@@ -505,21 +513,21 @@ impl Ctl {
             return;
         };
         match result {
-            Ok(nodes) => self.on_grown(nodes).await,
+            Ok(nodes) => self.on_grown(a, nodes).await,
             Err(why) if f.abandoned => {
                 tracing::warn!("{why} (the growth was abandoned: the application had finished)");
                 self.drop_abandoned().await;
             }
-            Err(why) => self.growth_report_failed(why).await,
+            Err(why) => self.growth_report_failed(a, why).await,
         }
     }
 
-    async fn on_grown(&mut self, nodes: Vec<NodeStarted>) {
+    async fn on_grown(&mut self, a: usize, nodes: Vec<NodeStarted>) {
         let Some(Phase::Spawning { pending, started, .. }) = self.flight.as_mut().map(|f| &mut f.phase) else {
             return;
         };
         started.extend(nodes);
-        *pending = pending.saturating_sub(1);
+        pending.remove(&a);
         self.after_exit().await;
     }
 
@@ -603,11 +611,24 @@ impl Ctl {
     }
 
     /// A spawner reported that its part of the growth failed.
-    async fn growth_report_failed(&mut self, why: String) {
+    async fn growth_report_failed(&mut self, a: usize, why: String) {
         if let Some(Phase::Spawning { pending, .. }) = self.flight.as_mut().map(|f| &mut f.phase) {
-            *pending = pending.saturating_sub(1);
+            pending.remove(&a);
         }
         self.fail_growth(why).await;
+    }
+
+    /// Agent `a`, of the job before the growth under way, is lost (`why`): if it had
+    /// orders to start node worlds, no report comes from it, and the growth, which fails
+    /// for the loss, does not wait for one. Before, it waited out its phase's deadline
+    /// (60 s), and the recovery from the loss with it.
+    pub(super) fn spawner_lost(&mut self, a: usize, why: &str) {
+        let Some(f) = self.flight.as_mut() else { return };
+        if let Phase::Spawning { pending, .. } = &mut f.phase {
+            if pending.remove(&a) {
+                f.lost.get_or_insert_with(|| format!("{why} meanwhile"));
+            }
+        }
     }
 
     /// The growth under way failed before its switch (a new node world or process
@@ -655,7 +676,10 @@ impl Ctl {
     /// Finishes the gather of a growth once every report and every new agent is in.
     async fn gathered(&mut self) {
         let Some(f) = self.flight.as_mut() else { return };
-        let Phase::Spawning { pending: 0, .. } = &f.phase else { return };
+        let Phase::Spawning { pending, .. } = &f.phase else { return };
+        if !pending.is_empty() {
+            return;
+        }
         if f.failure.is_some() {
             // Agents yet to connect will be refused.
             return self.drop_growth().await;
