@@ -73,7 +73,7 @@ use crate::transport::{BoxFuture, Capabilities, EndpointAddr, Transport, Transpo
 use crate::window::{GetTable, WindowId, WindowTable};
 use bytes::Bytes;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 mod direct;
@@ -342,7 +342,7 @@ impl FabricTransport {
             err_lock: Mutex::new(()),
             closed: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
-            pollers: AtomicUsize::new(0),
+            pollers: state::Pollers::default(),
             progress_thread: std::sync::OnceLock::new(),
         });
         // Posted only now: should it fail, `Inner`'s drop closes the endpoint before the
@@ -482,11 +482,11 @@ impl Transport for FabricTransport {
     }
 
     fn poll_begin(&self) {
-        self.inner.pollers.fetch_add(1, Ordering::AcqRel);
+        self.inner.pollers.begin();
     }
 
     fn poll_end(&self, parking: bool) {
-        let last = self.inner.pollers.fetch_sub(1, Ordering::AcqRel) == 1;
+        let last = self.inner.pollers.end();
         if parking && last {
             // Nobody reads the queue now: the progress thread takes over at once.
             if let Some(t) = self.inner.progress_thread.get() {

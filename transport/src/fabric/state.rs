@@ -64,9 +64,43 @@ pub(super) struct Inner {
     pub(super) shutdown: AtomicBool,
     /// Application threads polling the completion queue themselves (between
     /// `poll_begin` and `poll_end`); the progress thread stands aside meanwhile.
-    pub(super) pollers: AtomicUsize,
+    pub(super) pollers: Pollers,
     /// The progress thread, woken when the last polling thread goes to sleep.
     pub(super) progress_thread: std::sync::OnceLock<std::thread::Thread>,
+}
+
+/// The application threads polling the completion queue now, and how many times any
+/// began to: one word, so that beginning costs one atomic add, as counting alone did.
+/// The progress thread reads the count of beginnings to tell a thread that polls in a
+/// tight loop (it comes back to poll every few microseconds) from one that polled once
+/// and went to compute (see `super::progress::run`).
+#[derive(Default)]
+pub(super) struct Pollers(AtomicUsize);
+
+impl Pollers {
+    /// Bits of the word that count the threads polling now.
+    const BITS: u32 = 16;
+    const NOW: usize = (1 << Self::BITS) - 1;
+
+    /// A thread begins to poll.
+    pub(super) fn begin(&self) {
+        self.0.fetch_add(1 + (1 << Self::BITS), Ordering::AcqRel);
+    }
+
+    /// A thread stops polling; true if it was the last.
+    pub(super) fn end(&self) -> bool {
+        self.0.fetch_sub(1, Ordering::AcqRel) & Self::NOW == 1
+    }
+
+    /// Whether any thread polls now.
+    pub(super) fn any(&self) -> bool {
+        self.0.load(Ordering::Acquire) & Self::NOW != 0
+    }
+
+    /// How many times threads began to poll (wrapping).
+    pub(super) fn begun(&self) -> usize {
+        self.0.load(Ordering::Relaxed) >> Self::BITS
+    }
 }
 
 impl Inner {
