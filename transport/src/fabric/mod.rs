@@ -75,6 +75,7 @@ use bytes::Bytes;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 mod direct;
 mod ofi;
@@ -105,6 +106,18 @@ const CHUNK: usize = 8 << 20;
 /// 4.2; 16 MiB gets: 3.5 against 5.5). Smaller chunks are not uniformly better with 1.17's
 /// tcp provider: 128 and 192 KiB gave 2.5-3.1 in the same series.
 const SOCKET_CHUNK: usize = 256 << 10;
+/// How long a waiting thread pauses, over a provider that carries data through kernel
+/// sockets, after a poll that found nothing while its reads or bulk receives are in
+/// flight. Polled back to back (about a million polls a second, each a `poll` of the
+/// provider's sockets), a 4 MiB get over `tcp;ofi_rxm` settled in about half of the
+/// jobs into a slow mode for the whole job: 3.7-4.2 GiB/s instead of 5.2-6.7, with the
+/// owner's sending thread spending 20 % of its time in the kernel's loopback transmit
+/// and softirq paths instead of 8 %. Neither the CPUs the ranks ran on, nor which side
+/// dialed, nor the congestion window told the two modes apart. Alternating jobs of 2000
+/// gets (GiB/s): without a pause 3.7-5.6 (6 of 14 jobs under 4.5); pauses of 0.5, 1, 2
+/// and 3 µs 5.4-6.7, every job, and the tcp backend's get 4.9-5.8 in the same rounds;
+/// 10 µs 4.7-5.8 and 20 µs 4.5-4.8 (docs/BENCHMARKS.md, forty-first session).
+const SOCKET_IDLE_PAUSE: Duration = Duration::from_micros(1);
 /// Smallest provider message size the backend works with (control messages must fit).
 const MIN_MSG: usize = 4096;
 /// The next endpoint's [`Inner::id`].
@@ -164,8 +177,22 @@ fn bulk_chosen(attrs: &Attrs, direct: bool, chosen: Option<Bulk>) -> Bulk {
 
 /// The largest read (or bulk chunk) to post over the provider of `attrs`.
 fn read_chunk(attrs: &Attrs) -> usize {
-    let sockets = attrs.provider.split(';').any(|p| matches!(p, "tcp" | "sockets" | "udp"));
-    (if sockets { SOCKET_CHUNK } else { CHUNK }).min(attrs.max_msg_size)
+    (if over_sockets(attrs) { SOCKET_CHUNK } else { CHUNK }).min(attrs.max_msg_size)
+}
+
+/// Whether the provider of `attrs` carries data through kernel sockets.
+fn over_sockets(attrs: &Attrs) -> bool {
+    attrs.provider.split(';').any(|p| matches!(p, "tcp" | "sockets" | "udp"))
+}
+
+/// The pause of a waiting thread's empty poll while data is in flight
+/// ([`SOCKET_IDLE_PAUSE`] over sockets; none where the provider moves data by itself).
+fn idle_pause(attrs: &Attrs) -> Duration {
+    if over_sockets(attrs) {
+        SOCKET_IDLE_PAUSE
+    } else {
+        Duration::ZERO
+    }
 }
 
 fn is_ip(format: u32) -> bool {
@@ -323,6 +350,7 @@ impl FabricTransport {
             mailbox: setup.mailbox,
             eager,
             chunk: read_chunk(&attrs),
+            idle_pause: idle_pause(&attrs),
             bulk: bulk_sends(&attrs, direct.on()),
             cfg: setup.config,
             registrar,
@@ -478,7 +506,16 @@ impl Transport for FabricTransport {
         // its polling is what receives the bytes. With a park after the default 1 ms
         // spin, a 4 MiB get over tcp;ofi_rxm finished on the progress thread's backoff:
         // 2.5 against 3.5 GiB/s (alternating jobs); shm redistribution was unchanged.
-        self.inner.progress_once() || self.inner.transfers.any()
+        let found = self.inner.progress_once();
+        let flowing = self.inner.transfers.any();
+        if !found && flowing && !self.inner.idle_pause.is_zero() {
+            // A busy pause, not a sleep: the guest's timers wake a thread tens of µs late.
+            let since = Instant::now();
+            while since.elapsed() < self.inner.idle_pause {
+                std::hint::spin_loop();
+            }
+        }
+        found || flowing
     }
 
     fn poll_begin(&self) {
@@ -584,6 +621,16 @@ mod tests {
         }
         let small = Attrs { max_msg_size: 64 << 10, ..attrs("shm", 0) };
         assert_eq!(read_chunk(&small), 64 << 10, "never past the provider's message size");
+    }
+
+    #[test]
+    fn only_waits_over_sockets_pause_between_empty_polls() {
+        for sockets in ["tcp;ofi_rxm", "tcp", "sockets", "udp;ofi_rxd"] {
+            assert_eq!(idle_pause(&attrs(sockets, 0)), SOCKET_IDLE_PAUSE, "{sockets}");
+        }
+        for direct in ["shm", "verbs;ofi_rxm", "efa", "cxi"] {
+            assert_eq!(idle_pause(&attrs(direct, 0)), Duration::ZERO, "{direct}");
+        }
     }
 
     #[test]

@@ -33,6 +33,9 @@ pub(super) struct Inner {
     pub(super) eager: usize,
     /// Largest single RMA read, or chunk of a bulk payload.
     pub(super) chunk: usize,
+    /// How long a waiting thread's poll that found nothing pauses while data is in
+    /// flight (zero: none); see [`super::SOCKET_IDLE_PAUSE`].
+    pub(super) idle_pause: std::time::Duration,
     /// When a message past the eager size goes as a bulk payload (the provider's own
     /// tagged messages) rather than a rendezvous read; see [`super::Bulk`].
     pub(super) bulk: super::Bulk,
