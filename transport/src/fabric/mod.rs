@@ -110,11 +110,11 @@ const SOCKET_CHUNK: usize = 256 << 10;
 /// sockets, after a poll that found nothing while its reads or bulk receives are in
 /// flight. Polled back to back (about a million polls a second, each a `poll` of the
 /// provider's sockets), a 4 MiB get over `tcp;ofi_rxm` settled in about half of the
-/// jobs into a slow mode for the whole job: 3.7-4.2 GiB/s instead of 5.2-6.7, with the
+/// jobs into a slow mode for the whole job: 3.7-4.2 GiB/s instead of 5.2-7.1, with the
 /// owner's sending thread spending 20 % of its time in the kernel's loopback transmit
 /// and softirq paths instead of 8 %. Neither the CPUs the ranks ran on, nor which side
 /// dialed, nor the congestion window told the two modes apart. Alternating jobs of 2000
-/// gets (GiB/s): without a pause 3.7-5.6 (6 of 14 jobs under 4.5); pauses of 0.5, 1, 2
+/// gets (GiB/s): without a pause 3.7-5.6 (7 of 14 jobs under 4.5); pauses of 0.5, 1, 2
 /// and 3 µs 5.4-6.7, every job, and the tcp backend's get 4.9-5.8 in the same rounds;
 /// 10 µs 4.7-5.8 and 20 µs 4.5-4.8 (docs/BENCHMARKS.md, forty-first session).
 const SOCKET_IDLE_PAUSE: Duration = Duration::from_micros(1);
