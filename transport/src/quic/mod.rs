@@ -72,11 +72,11 @@ const NAME: &str = "quic";
 /// The UDP socket buffers asked for, each way. A 4 MiB message is 64 datagrams of 64 KB
 /// on loopback, and Linux's default 208 KiB holds three: a burst then loses datagrams and
 /// the congestion controller backs off. Over loopback, 4 MiB gets ran at 0.46-2.33 GiB/s
-/// without and 2.45-2.57 with 4 MiB (single runs). A stream may have 16 MiB in flight
-/// (`tls::STREAM_WINDOW`), and with 4 MiB buffers a stream of 200 × 4 MiB still lost
-/// about 1 % of its datagrams (12-23 congestion events per job); with 16 MiB, none in
-/// 4 jobs (nor with 32 MiB in 4), at the same throughput (the receiver's CPU is the
-/// limit). The buffer only fills while the receiver lags behind.
+/// without and 2.45-2.57 with 4 MiB (single runs). A stream could then have 16 MiB in
+/// flight (`tls::STREAM_WINDOW`, 64 MiB since), and with 4 MiB buffers a stream of
+/// 200 × 4 MiB still lost about 1 % of its datagrams (12-23 congestion events per job);
+/// with 16 MiB, none in 4 jobs (nor with 32 MiB in 4), at the same throughput (the
+/// receiver's CPU is the limit). The buffer only fills while the receiver lags behind.
 const SOCKET_BUFFER: usize = 16 << 20;
 
 /// How often a flush looks whether its peer is known to have ended meanwhile.
